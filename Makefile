@@ -1,0 +1,23 @@
+# Both targets set up .venv themselves. On a CUDA machine: make test TORCH=torch (see README).
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH ?= torch==2.13.0
+STAMP := $(VENV)/.installed-$(shell echo '$(TORCH)' | tr -c 'a-zA-Z0-9.\n' _)
+
+.PHONY: demo test setup
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+demo: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) eval/demo.py
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	HF_HUB_OFFLINE=1 $(PY) -m pytest

@@ -1,0 +1,88 @@
+"""One attention function over packed sequences, three kernels behind the same signature.
+
+q: [T, Hq, D], k and v: [T, Hkv, D] (grouped-query: Hq is a multiple of Hkv) -> [T, Hq, D].
+`window` is Hugging Face's `sliding_window`: a query sees itself and the `window - 1` tokens
+before it (transformers `sliding_window_overlay`: kv_idx > q_idx - window).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from st_fastbackend.engine.batch import PackedBatch
+
+Kernel = Literal["flash_attn", "torch_varlen", "sdpa_loop"]
+KERNELS: tuple[Kernel, ...] = ("flash_attn", "torch_varlen", "sdpa_loop")
+
+
+def pick_kernel(device: torch.device) -> Kernel:
+    """flash-attn's varlen kernel on CUDA when installed, else PyTorch's own; SDPA per sequence elsewhere."""
+    if device.type != "cuda":
+        return "sdpa_loop"
+    if importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attn"
+    return "torch_varlen"
+
+
+def varlen_attention(
+    q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch, *, causal: bool, window: int | None, kernel: Kernel
+) -> Tensor:
+    if kernel == "sdpa_loop":
+        return _sdpa_loop(q, k, v, batch, causal=causal, window=window)
+    left = window - 1 if window is not None else -1  # both CUDA kernels count the window without the query
+    window_size = (left, 0 if causal else -1)
+    if kernel == "flash_attn":
+        from flash_attn import flash_attn_varlen_func
+
+        cu, n = batch.cu_seqlens, batch.max_seqlen
+        return flash_attn_varlen_func(q, k, v, cu, cu, n, n, causal=causal, window_size=window_size)
+    if kernel == "torch_varlen":
+        return _torch_varlen(q, k, v, batch, causal=causal, window_size=window_size)
+    raise ValueError(f"Unknown attention kernel {kernel!r}; expected one of {KERNELS}.")
+
+
+def _torch_varlen(q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch, *, causal: bool, window_size) -> Tensor:
+    from torch.nn.attention.varlen import varlen_attn
+
+    cu, n = batch.cu_seqlens, batch.max_seqlen
+    grouped = q.shape[1] != k.shape[1]
+    if "window_size" in inspect.signature(varlen_attn).parameters:  # torch >= 2.12
+        return varlen_attn(q, k, v, cu, cu, n, n, window_size=window_size, enable_gqa=grouped)
+    # Older releases take is_causal, no window and no grouped heads.
+    if window_size[0] != -1:
+        raise NotImplementedError("Sliding-window attention needs flash-attn or torch >= 2.12 on CUDA.")
+    if grouped:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    return varlen_attn(q, k, v, cu, cu, n, n, is_causal=causal)
+
+
+def _sdpa_loop(q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch, *, causal: bool, window: int | None) -> Tensor:
+    out = torch.empty_like(q)
+    grouped = q.shape[1] != k.shape[1]
+    start = 0
+    for length in batch.lengths:
+        end = start + length
+        # [L, H, D] -> [H, L, D]: SDPA wants heads before the sequence.
+        qi, ki, vi = (t[start:end].transpose(0, 1) for t in (q, k, v))
+        mask = None
+        if window is not None and length > window:
+            mask = _sliding_window_mask(length, window, q.device)
+        oi = F.scaled_dot_product_attention(
+            qi, ki, vi, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=grouped
+        )
+        out[start:end] = oi.transpose(0, 1)  # [H, L, D] -> [L, H, D]
+        start = end
+    return out
+
+
+def _sliding_window_mask(length: int, window: int, device: torch.device) -> Tensor:
+    """[L, L] bool, True where a query may attend: causal and within the window (one sequence, never T x T)."""
+    q_idx = torch.arange(length, device=device)[:, None]
+    kv_idx = torch.arange(length, device=device)[None, :]
+    return (kv_idx <= q_idx) & (kv_idx > q_idx - window)

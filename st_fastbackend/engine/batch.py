@@ -1,0 +1,55 @@
+"""PackedBatch: a batch of token sequences concatenated without padding.
+
+This object is the whole contract between batching and the model (as `Batch` is in
+text-embeddings-inference). `cu_seqlens` is the source of truth; positions and sequence indices
+are derived from it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    input_ids: Tensor  # [T] int64, all sequences back to back
+    position_ids: Tensor  # [T] int64, restarting at 0 with each sequence
+    cu_seqlens: Tensor  # [B+1] int32, sequence i is tokens cu_seqlens[i] : cu_seqlens[i+1]
+    max_seqlen: int
+    lengths: tuple[int, ...]  # the same boundaries, kept on the CPU so loops never call .item()
+
+    @classmethod
+    def from_sequences(cls, sequences: Sequence[Sequence[int]], position_offset: int = 0) -> PackedBatch:
+        """Pack token-id lists; `position_offset` starts positions at e.g. padding_idx + 1 (RoBERTa)."""
+        lengths = tuple(len(ids) for ids in sequences)
+        if not lengths or min(lengths) == 0:
+            raise ValueError("A PackedBatch needs at least one sequence and no empty sequence.")
+        cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+        cu_seqlens[1:] = torch.tensor(lengths).cumsum(0)
+        input_ids = torch.tensor(list(itertools.chain.from_iterable(sequences)), dtype=torch.long)
+        starts = torch.repeat_interleave(cu_seqlens[:-1].long(), torch.tensor(lengths))  # [T]
+        position_ids = torch.arange(len(input_ids)) - starts + position_offset
+        return cls(input_ids, position_ids, cu_seqlens, max(lengths), lengths)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.lengths)
+
+    def sequence_ids(self) -> Tensor:
+        """[T] int64: the index of the sequence each token belongs to."""
+        counts = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()
+        index = torch.arange(self.num_sequences, device=self.cu_seqlens.device)
+        return torch.repeat_interleave(index, counts, output_size=self.num_tokens)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
+        tensors = {name: getattr(self, name) for name in ("input_ids", "position_ids", "cu_seqlens")}
+        return replace(self, **{name: t.to(device, non_blocking=non_blocking) for name, t in tensors.items()})

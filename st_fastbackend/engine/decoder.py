@@ -1,0 +1,102 @@
+"""Llama, Mistral, Qwen2 and Qwen3 as one packed decoder; the family differences are DecoderSpec flags.
+
+Activations are flat, [T, hidden] between layers and [T, heads, head_dim] inside attention. No KV
+cache, no LM head, no padding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from st_fastbackend.engine.attention import Kernel, varlen_attention
+from st_fastbackend.engine.batch import PackedBatch
+from st_fastbackend.engine.layers import RMSNorm, Rotary, apply_rotary
+from st_fastbackend.engine.spec import DecoderSpec
+
+# Checkpoint tensor -> (our fused tensor, slot): q/k/v and gate/up are each one matrix product.
+DECODER_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+DECODER_IGNORED = ("lm_head.",)  # in *ForCausalLM checkpoints; embeddings never reach it
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: DecoderSpec, window: int | None) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.window = window
+        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = nn.Linear(spec.hidden_size, q_size + 2 * kv_size, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=spec.o_bias)
+        self.q_norm = RMSNorm(spec.head_dim, spec.norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.norm_eps) if spec.qk_norm else None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: PackedBatch, kernel: Kernel) -> Tensor:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq*D] -> [T, Hq, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv*D] -> [T, Hkv, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # Qwen3: RMSNorm over each head before the rotation
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = varlen_attention(q, k, v, batch, causal=True, window=self.window, kernel=kernel)
+        return self.o_proj(out.flatten(1))  # [T, Hq, D] -> [T, Hq*D] -> [T, hidden]
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: DecoderSpec, window: int | None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.norm_eps)
+        self.self_attn = Attention(spec, window)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, batch: PackedBatch, kernel: Kernel) -> Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, kernel)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Decoder(nn.Module):
+    fused = DECODER_FUSED
+    ignored = DECODER_IGNORED
+    causal = True
+
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, window) for window in spec.windows)
+        self.norm = RMSNorm(spec.hidden_size, spec.norm_eps)
+        self.rotary = Rotary(spec.inv_freq, spec.rope_scaling)
+
+    def forward(self, batch: PackedBatch, kernel: Kernel) -> Tensor:
+        """Token ids [T] -> final hidden states [T, hidden]."""
+        limit = self.spec.max_rope_positions
+        if limit is not None and batch.max_seqlen > limit:
+            raise ValueError(
+                f"A {batch.max_seqlen}-token sequence exceeds max_position_embeddings={limit}, past which "
+                "dynamic NTK rotary rescales per batch in Hugging Face; lower max_seq_length."
+            )
+        h = self.embed_tokens(batch.input_ids)  # [T, hidden]
+        cos, sin = self.rotary(batch.position_ids, h.dtype)  # [T, head_dim] each
+        for layer in self.layers:
+            h = layer(h, cos, sin, batch, kernel)
+        return self.norm(h)

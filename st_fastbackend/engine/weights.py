@@ -1,0 +1,84 @@
+"""Strict loading of Hugging Face safetensors checkpoints (single file or sharded) into the engine.
+
+The layout and names stay Hugging Face's; the only change is fusing the parts a model declares in
+its `fused` table (e.g. q/k/v into qkv_proj) along dim 0, in slot order. Every expected tensor must
+be present with its shape; a tensor the model does not know is an error that names it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import Tensor, nn
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    if (folder / INDEX_FILE).is_file():
+        weight_map = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
+        return [folder / name for name in sorted(set(weight_map.values()))]
+    if (folder / SINGLE_FILE).is_file():
+        return [folder / SINGLE_FILE]
+    raise CheckpointError(
+        f"No {SINGLE_FILE} or {INDEX_FILE} in {folder}: the fast backend reads safetensors checkpoints only. "
+        'backend="torch" loads other formats.'
+    )
+
+
+def load_weights(model: nn.Module, folder: Path, device: torch.device, dtype: torch.dtype) -> list[str]:
+    """Fill `model` (built on the meta device) from the checkpoint; returns the names it loaded."""
+    expected = model.state_dict()
+    parts: dict[str, dict[int, Tensor]] = defaultdict(dict)
+    unknown: list[str] = []
+    for file in checkpoint_files(folder):
+        with safe_open(file, framework="pt", device=str(device)) as f:
+            for raw_name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                name = raw_name.removeprefix("model.")
+                if name.startswith(model.ignored):
+                    continue
+                target, slot = _fused_name(name, model.fused)
+                if target not in expected:
+                    unknown.append(raw_name)
+                    continue
+                parts[target][slot] = f.get_tensor(raw_name).to(dtype)
+    if unknown:
+        raise CheckpointError(f"Checkpoint in {folder} has tensors the fast backend does not know: {unknown}")
+    missing = sorted(set(expected) - set(parts))
+    if missing:
+        raise CheckpointError(f"Checkpoint in {folder} lacks tensors: {missing}")
+    slot_counts = Counter(target for target, _ in model.fused.values())
+    state = {}
+    for name, slots in parts.items():
+        owner = name.split(".")[-2] if "." in name else name
+        state[name] = _join(name, slots, slot_counts.get(owner, 1), expected[name].shape)
+    model.load_state_dict(state, strict=True, assign=True)
+    return sorted(state)
+
+
+def _fused_name(name: str, fused: dict[str, tuple[str, int]]) -> tuple[str, int]:
+    """'layers.0.self_attn.k_proj.weight' -> ('layers.0.self_attn.qkv_proj.weight', 1)."""
+    pieces = name.split(".")
+    for i, piece in enumerate(pieces):
+        if piece in fused:
+            target, slot = fused[piece]
+            return ".".join([*pieces[:i], target, *pieces[i + 1 :]]), slot
+    return name, 0
+
+
+def _join(name: str, slots: dict[int, Tensor], count: int, shape: torch.Size) -> Tensor:
+    if sorted(slots) != list(range(count)):
+        raise CheckpointError(f"{name}: the checkpoint has parts {sorted(slots)} of {count}")
+    tensor = slots[0] if count == 1 else torch.cat([slots[i] for i in range(count)], dim=0)
+    if tensor.shape != shape:
+        raise CheckpointError(f"{name}: checkpoint shape {tuple(tensor.shape)}, the config implies {tuple(shape)}")
+    return tensor

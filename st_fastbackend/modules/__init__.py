@@ -1,0 +1,6 @@
+"""sentence-transformers modules that run the packed engine."""
+
+from st_fastbackend.modules.pooling import PackedPooling
+from st_fastbackend.modules.transformer import PackedTransformer
+
+__all__ = ["PackedPooling", "PackedTransformer"]

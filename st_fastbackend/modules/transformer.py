@@ -1,0 +1,267 @@
+"""The sentence-transformers input module of the fast backend: tokenize without padding, pack,
+run the engine, return packed token embeddings [T, hidden].
+
+It reads and writes the same files as sentence-transformers' Transformer module
+(sentence_bert_config.json, config.json, safetensors, tokenizer files), so a saved folder loads in
+plain sentence-transformers and back into the fast backend.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from sentence_transformers.base.modules import InputModule, Transformer
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
+
+from st_fastbackend.engine.attention import Kernel, pick_kernel
+from st_fastbackend.engine.batch import PackedBatch
+from st_fastbackend.engine.decoder import Decoder
+from st_fastbackend.engine.spec import DecoderSpec, UnsupportedModelError
+from st_fastbackend.engine.weights import INDEX_FILE, checkpoint_files, load_weights
+from st_fastbackend.modules.files import resolve_folder
+
+logger = logging.getLogger(__name__)
+
+# What sentence-transformers adds to model/processor/config kwargs for the Hub.
+_HUB_KWARGS = {"subfolder", "token", "cache_dir", "revision", "local_files_only", "trust_remote_code"}
+# model_kwargs that do not change the math; any other is refused.
+_NEUTRAL_MODEL_KWARGS = _HUB_KWARGS | {"dtype", "torch_dtype", "attn_implementation", "low_cpu_mem_usage"}
+# sentence_bert_config.json keys read here; any other key with a non-default value is refused.
+_DEFAULT_MODULE_CONFIG = {
+    "transformer_task": "feature-extraction",
+    "module_output_name": "token_embeddings",
+    "processing_kwargs": {},
+    "unpad_inputs": None,
+    "query_length": None,
+    "document_length": None,
+    "query_expansion": None,
+}
+_TEXT_MODALITY = {"text": {"method": "forward", "method_output_name": "last_hidden_state"}}
+
+
+class PackedTransformer(InputModule):
+    config_file_name = "sentence_bert_config.json"
+    save_in_root = True
+
+    def __init__(
+        self,
+        model_name_or_path: str,
+        *,
+        max_seq_length: int | None = None,
+        do_lower_case: bool = False,
+        model_kwargs: dict[str, Any] | None = None,
+        processor_kwargs: dict[str, Any] | None = None,
+        config_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        model_kwargs, processor_kwargs = dict(model_kwargs or {}), dict(processor_kwargs or {})
+        self.folder = resolve_folder(model_name_or_path, **processor_kwargs) / processor_kwargs.get("subfolder", "")
+        config = AutoConfig.from_pretrained(self.folder, **_without_hub_kwargs(config_kwargs or {}))
+        if unknown := set(model_kwargs) - _NEUTRAL_MODEL_KWARGS:
+            raise UnsupportedModelError(f"model_kwargs {sorted(unknown)}")
+        spec = DecoderSpec.from_config(config)
+        with torch.device("meta"):  # no memory until the checkpoint's tensors are assigned
+            self.model = Decoder(spec)
+        load_weights(self.model, self.folder, torch.device("cpu"), _resolve_dtype(model_kwargs, config))
+        self.config = config
+
+        # As sentence-transformers' Transformer: max_seq_length becomes the tokenizer's model_max_length,
+        # capped at the model's max_position_embeddings unless the caller set model_max_length.
+        if max_seq_length is not None and "model_max_length" not in processor_kwargs:
+            processor_kwargs["model_max_length"] = max_seq_length
+        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
+            self.folder, **_without_hub_kwargs(processor_kwargs)
+        )
+        if "model_max_length" not in processor_kwargs and getattr(config, "max_position_embeddings", -1) != -1:
+            self.tokenizer.model_max_length = min(self.tokenizer.model_max_length, config.max_position_embeddings)
+        self.do_lower_case = do_lower_case
+        if do_lower_case:
+            _lowercase_input(self.tokenizer)
+        self.add_bos, self.add_eos = _missing_special_tokens(self.folder, self.tokenizer)
+        self._prompt_lengths: dict[str, int] = {}
+
+    # -- loading -------------------------------------------------------------------------------
+
+    @classmethod
+    def load(
+        cls,
+        model_name_or_path: str,
+        subfolder: str = "",
+        token: bool | str | None = None,
+        cache_folder: str | None = None,
+        revision: str | None = None,
+        local_files_only: bool = False,
+        trust_remote_code: bool = False,
+        model_kwargs: dict[str, Any] | None = None,
+        processor_kwargs: dict[str, Any] | None = None,
+        config_kwargs: dict[str, Any] | None = None,
+        **kwargs,
+    ) -> PackedTransformer:
+        """Read sentence_bert_config.json exactly as sentence-transformers' Transformer does."""
+        init_kwargs = Transformer._load_init_kwargs(
+            model_name_or_path,
+            subfolder=subfolder,
+            token=token,
+            cache_folder=cache_folder,
+            revision=revision,
+            local_files_only=local_files_only,
+            trust_remote_code=trust_remote_code,
+            model_kwargs=model_kwargs,
+            processor_kwargs=processor_kwargs,
+            config_kwargs=config_kwargs,
+        )
+        init_kwargs.pop("backend")
+        if (modalities := init_kwargs.pop("modality_config", _TEXT_MODALITY)) != _TEXT_MODALITY:
+            raise UnsupportedModelError(f"modality_config {modalities}")
+        for key, default in _DEFAULT_MODULE_CONFIG.items():
+            if (value := init_kwargs.pop(key, default)) not in (default, None):
+                raise UnsupportedModelError(f"{key}={value!r} in sentence_bert_config.json")
+        if unknown := set(init_kwargs) - {"max_seq_length", "do_lower_case", "model_kwargs", "processor_kwargs",
+                                          "config_kwargs"}:  # fmt: skip
+            raise UnsupportedModelError(f"sentence_bert_config.json keys {sorted(unknown)}")
+        return cls(model_name_or_path, **init_kwargs)
+
+    # -- sentence-transformers' InputModule API -----------------------------------------------
+
+    @property
+    def max_seq_length(self) -> int:
+        return self.tokenizer.model_max_length
+
+    @max_seq_length.setter
+    def max_seq_length(self, value: int) -> None:
+        self.tokenizer.model_max_length = value
+
+    @property
+    def attention_kernel(self) -> Kernel:
+        return pick_kernel(self.model.embed_tokens.weight.device)
+
+    def get_embedding_dimension(self) -> int:
+        return self.config.hidden_size
+
+    def get_config_dict(self) -> dict[str, Any]:
+        return {"max_seq_length": self.max_seq_length, "do_lower_case": self.do_lower_case}
+
+    def preprocess(
+        self, inputs: list[str], prompt: str | None = None, processing_kwargs: dict | None = None, **kwargs
+    ) -> dict[str, Any]:
+        """Texts -> {"packed": PackedBatch, "prompt_length": int when a prompt is given}.
+
+        `kwargs` may carry `task` ("query"/"document"), which only matters with per-task lengths,
+        and those are refused at load time.
+        """
+        if processing_kwargs:
+            raise UnsupportedModelError("processing_kwargs in encode()")
+        for index, text in enumerate(inputs):
+            if not isinstance(text, str):
+                raise TypeError(f"The fast backend embeds strings; input {index} is {type(text).__name__}.")
+        texts = [prompt + text for text in inputs] if prompt else list(inputs)
+        sequences = self.token_ids(texts)
+        for index, ids in enumerate(sequences):
+            if not ids:
+                raise ValueError(f"Input {index} ({inputs[index]!r}) has no tokens; there is nothing to embed.")
+        features: dict[str, Any] = {"packed": PackedBatch.from_sequences(sequences)}
+        if prompt:
+            features["prompt_length"] = self.prompt_length(prompt)
+        return features
+
+    def token_ids(self, texts: list[str]) -> list[list[int]]:
+        """Token ids as the model expects them, truncated to max_seq_length, without padding."""
+        extra = int(self.add_bos) + int(self.add_eos)
+        limit = {"max_length": self.max_seq_length - extra} if extra else {}
+        encoded = self.tokenizer(
+            texts, truncation="longest_first", return_attention_mask=False, return_token_type_ids=False, **limit
+        )["input_ids"]
+        bos, eos = [self.tokenizer.bos_token_id] * self.add_bos, [self.tokenizer.eos_token_id] * self.add_eos
+        return [bos + ids + eos for ids in encoded] if extra else encoded
+
+    def prompt_length(self, prompt: str) -> int:
+        """Prompt tokens at the start of each text, without a trailing special token (as sentence-transformers)."""
+        if prompt not in self._prompt_lengths:
+            ids = self.token_ids([prompt])[0]
+            trailing_special = bool(ids) and ids[-1] in self.tokenizer.all_special_ids
+            self._prompt_lengths[prompt] = len(ids) - trailing_special
+        return self._prompt_lengths[prompt]
+
+    def forward(self, features: dict[str, Any], **kwargs) -> dict[str, Any]:
+        features["token_embeddings"] = self.model(features["packed"], self.attention_kernel)  # [T, hidden]
+        return features
+
+    def save(self, output_path: str, *args, safe_serialization: bool = True, **kwargs) -> None:
+        """The checkpoint files as loaded, the tokenizer, and sentence_bert_config.json."""
+        out = Path(output_path)
+        sources = [self.folder / "config.json", *checkpoint_files(self.folder)]
+        if (self.folder / INDEX_FILE).is_file():
+            sources.append(self.folder / INDEX_FILE)
+        for source in sources:
+            if source.resolve() != (out / source.name).resolve():
+                shutil.copyfile(source, out / source.name)
+        self.tokenizer.save_pretrained(output_path)
+        _keep_special_token_flags(self.folder, out)
+        self.save_config(output_path)
+
+    def __repr__(self) -> str:
+        return (
+            f"PackedTransformer({self.get_config_dict()}, model_type={self.config.model_type!r}, "
+            f"attention_kernel={self.attention_kernel!r})"
+        )
+
+
+def _without_hub_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The folder is already resolved; keyword arguments for the Hub do not apply to it."""
+    return {k: v for k, v in kwargs.items() if k not in _HUB_KWARGS}
+
+
+def _resolve_dtype(model_kwargs: dict[str, Any], config) -> torch.dtype:
+    """sentence-transformers' model_kwargs dtype: a torch.dtype, its name, or "auto" (the checkpoint's)."""
+    dtype = model_kwargs.get("dtype", model_kwargs.get("torch_dtype")) or torch.float32
+    if dtype == "auto":
+        dtype = getattr(config, "dtype", None) or torch.float32
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise UnsupportedModelError(f"dtype {dtype!r}")
+    return dtype
+
+
+def _lowercase_input(tokenizer: PreTrainedTokenizerBase) -> None:
+    """do_lower_case, as sentence-transformers applies it: a Lowercase normalizer in front."""
+    from tokenizers.normalizers import Lowercase, Sequence
+
+    normalizer = tokenizer.backend_tokenizer.normalizer
+    tokenizer.backend_tokenizer.normalizer = Lowercase() if normalizer is None else Sequence([Lowercase(), normalizer])
+
+
+def _missing_special_tokens(folder: Path, tokenizer: PreTrainedTokenizerBase) -> tuple[bool, bool]:
+    """(add BOS, add EOS): what tokenizer_config.json asks for and the loaded tokenizer does not add.
+
+    e5-mistral-7b-instruct sets "add_eos_token": true while its tokenizer.json post-processor adds
+    only <s>; transformers >= 5 follows tokenizer.json and drops the </s> that last-token pooling
+    reads. The model card tokenizes to max_length - 1 and appends </s>; so do we.
+    """
+    asked = _tokenizer_config(folder)
+    probe = tokenizer("a")["input_ids"]
+    add_bos = asked.get("add_bos_token") is True and tokenizer.bos_token_id not in (None, probe[0])
+    add_eos = asked.get("add_eos_token") is True and tokenizer.eos_token_id not in (None, probe[-1])
+    for name, missing in (("BOS", add_bos), ("EOS", add_eos)):
+        if missing:
+            logger.info(
+                f"tokenizer_config.json asks for {name} but the tokenizer does not add it: the fast backend adds it."
+            )
+    return add_bos, add_eos
+
+
+def _keep_special_token_flags(source: Path, target: Path) -> None:
+    """transformers >= 5 drops add_bos_token/add_eos_token when saving a tokenizer; write them back."""
+    flags = {k: v for k, v in _tokenizer_config(source).items() if k in ("add_bos_token", "add_eos_token")}
+    if flags:
+        path = target / "tokenizer_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **flags}, indent=2))
+
+
+def _tokenizer_config(folder: Path) -> dict[str, Any]:
+    path = folder / "tokenizer_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}

@@ -1,0 +1,93 @@
+"""Small random-weight models for the tests: a tokenizer trained on the fly, a transformers
+config and model saved as safetensors, and a sentence-transformers folder around them."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+import transformers
+from sentence_transformers import SentenceTransformer as PlainSentenceTransformer
+from sentence_transformers.base.modules import Transformer
+from sentence_transformers.sentence_transformer.modules import Normalize, Pooling
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
+
+_rng = random.Random(0)
+WORDS = ["".join(_rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(_rng.randint(2, 9))) for _ in range(400)]
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+DECODER_CONFIGS = {
+    "mistral": dict(TINY, model_type="mistral", sliding_window=None),
+    "llama": dict(TINY, model_type="llama", rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0,
+        "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "qwen2": dict(TINY, model_type="qwen2"),
+    "qwen3": dict(TINY, model_type="qwen3", head_dim=32),
+}
+
+
+def make_texts(n: int, seed: int = 1, max_words: int = 300) -> list[str]:
+    """Texts of very different lengths: one word up to several hundred tokens."""
+    rng = random.Random(seed)
+    lengths = [1, 2, max_words] + [int(rng.paretovariate(1.0) * 3) % max_words + 1 for _ in range(n - 3)]
+    return [" ".join(rng.choices(WORDS, k=k)) for k in lengths[:n]]
+
+
+def train_tokenizer(bos_only_post_processor: bool = True) -> PreTrainedTokenizerFast:
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "<s>", "</s>", "<pad>"])
+    tokenizer.train_from_iterator(make_texts(2000, seed=2, max_words=30), trainer)
+    single = "<s> $A" if bos_only_post_processor else "<s> $A </s>"
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=single, pair=single + " $B", special_tokens=[("<s>", 1), ("</s>", 2)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    )
+
+
+def build_hf_model(folder: Path, family: str, seed: int = 0, **overrides) -> Path:
+    """Save a random-weight Hugging Face checkpoint (config, safetensors, tokenizer) to ``folder``."""
+    spec = {**DECODER_CONFIGS[family], **overrides}
+    config = transformers.AutoConfig.for_model(
+        vocab_size=600, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=3, **spec
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModel.from_config(config)
+    with torch.no_grad():  # default init leaves biases and norms trivial; make every tensor matter
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    model.save_pretrained(folder)
+    train_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def build_st_model(
+    folder: Path,
+    family: str,
+    pooling_mode: str | tuple[str, ...] = "lasttoken",
+    include_prompt: bool = True,
+    max_seq_length: int = 128,
+    prompts: dict[str, str] | None = None,
+    **overrides,
+) -> Path:
+    """A sentence-transformers folder (Transformer, Pooling, Normalize) saved by plain sentence-transformers."""
+    hf_folder = build_hf_model(folder / "hf", family, **overrides)
+    transformer = Transformer(str(hf_folder), max_seq_length=max_seq_length)
+    pooling = Pooling(transformer.get_embedding_dimension(), pooling_mode=pooling_mode, include_prompt=include_prompt)
+    model = PlainSentenceTransformer(modules=[transformer, pooling, Normalize()], prompts=prompts, device="cpu")
+    model.save(str(folder / "st"))
+    return folder / "st"
+
+
+def add_e5_tokenizer_contradiction(folder: Path) -> None:
+    """Make ``folder`` look like e5-mistral: tokenizer_config.json asks for EOS, tokenizer.json adds only BOS."""
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config.update(add_bos_token=True, add_eos_token=True, tokenizer_class="LlamaTokenizer")
+    path.write_text(json.dumps(config, indent=2))
