@@ -3,8 +3,10 @@ config and model saved as safetensors, and a sentence-transformers folder around
 
 from __future__ import annotations
 
+import functools
 import json
 import random
+import shutil
 from pathlib import Path
 
 import torch
@@ -30,18 +32,19 @@ DECODER_CONFIGS = {
 
 
 def make_texts(n: int, seed: int = 1, max_words: int = 300) -> list[str]:
-    """Texts of very different lengths: one word up to several hundred tokens."""
+    """Texts of very different lengths: empty (only the BOS token), one letter, up to several hundred tokens."""
     rng = random.Random(seed)
-    lengths = [1, 2, max_words] + [int(rng.paretovariate(1.0) * 3) % max_words + 1 for _ in range(n - 3)]
-    return [" ".join(rng.choices(WORDS, k=k)) for k in lengths[:n]]
+    lengths = [2, max_words] + [int(rng.paretovariate(1.0) * 3) % max_words + 1 for _ in range(n - 4)]
+    return ["", "a"] + [" ".join(rng.choices(WORDS, k=k)) for k in lengths]
 
 
+@functools.cache
 def train_tokenizer(bos_only_post_processor: bool = True) -> PreTrainedTokenizerFast:
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
     tokenizer.decoder = decoders.Metaspace()
     trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "<s>", "</s>", "<pad>"])
-    tokenizer.train_from_iterator(make_texts(2000, seed=2, max_words=30), trainer)
+    tokenizer.train_from_iterator(make_texts(2000, seed=2, max_words=30)[2:], trainer)
     single = "<s> $A" if bos_only_post_processor else "<s> $A </s>"
     tokenizer.post_processor = processors.TemplateProcessing(
         single=single, pair=single + " $B", special_tokens=[("<s>", 1), ("</s>", 2)]
@@ -51,18 +54,25 @@ def train_tokenizer(bos_only_post_processor: bool = True) -> PreTrainedTokenizer
     )
 
 
-def build_hf_model(folder: Path, family: str, seed: int = 0, **overrides) -> Path:
-    """Save a random-weight Hugging Face checkpoint (config, safetensors, tokenizer) to ``folder``."""
+def build_hf_model(
+    folder: Path, family: str, seed: int = 0, causal_lm: bool = False, max_shard_size: str | None = None, **overrides
+) -> Path:
+    """Save a random-weight Hugging Face checkpoint (config, safetensors, tokenizer) to ``folder``.
+
+    `causal_lm` saves the *ForCausalLM class (tensor names with the `model.` prefix, plus lm_head);
+    `max_shard_size` writes a sharded checkpoint with model.safetensors.index.json.
+    """
     spec = {**DECODER_CONFIGS[family], **overrides}
     config = transformers.AutoConfig.for_model(
         vocab_size=600, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=3, **spec
     )
     torch.manual_seed(seed)
-    model = transformers.AutoModel.from_config(config)
+    auto_class = transformers.AutoModelForCausalLM if causal_lm else transformers.AutoModel
+    model = auto_class.from_config(config)
     with torch.no_grad():  # default init leaves biases and norms trivial; make every tensor matter
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.05)
-    model.save_pretrained(folder)
+    model.save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     train_tokenizer().save_pretrained(folder)
     return folder
 
@@ -82,7 +92,15 @@ def build_st_model(
     pooling = Pooling(transformer.get_embedding_dimension(), pooling_mode=pooling_mode, include_prompt=include_prompt)
     model = PlainSentenceTransformer(modules=[transformer, pooling, Normalize()], prompts=prompts, device="cpu")
     model.save(str(folder / "st"))
+    shutil.rmtree(hf_folder)
     return folder / "st"
+
+
+def with_pooling(st_folder: Path, target: Path, pooling_config: dict) -> Path:
+    """A copy of an ST folder whose 1_Pooling/config.json is `pooling_config`, written as given."""
+    shutil.copytree(st_folder, target)
+    (target / "1_Pooling" / "config.json").write_text(json.dumps(pooling_config))
+    return target
 
 
 def add_e5_tokenizer_contradiction(folder: Path) -> None:

@@ -1,0 +1,36 @@
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import itertools  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from builders import build_st_model, make_texts  # noqa: E402
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+_counter = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def texts() -> list[str]:
+    """40 texts from 1 word to 300 words; with max_seq_length 256 the longest are truncated."""
+    return make_texts(40)
+
+
+@pytest.fixture(scope="session")
+def st_model(tmp_path_factory):
+    """st_model(family, **options) -> a saved ST folder, built once per distinct set of options."""
+    cache: dict = {}
+
+    def build(family: str, **options) -> Path:
+        key = (family, repr(sorted(options.items())))
+        if key not in cache:
+            folder = tmp_path_factory.mktemp(f"{family}_{next(_counter)}")
+            options.setdefault("max_seq_length", 256)
+            cache[key] = build_st_model(folder, family, **options)
+        return cache[key]
+
+    return build
