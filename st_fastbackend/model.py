@@ -7,6 +7,8 @@ PackedPooling; every other module (Dense, Normalize, ...) stays as it is.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,7 +20,7 @@ from torch import Tensor
 from tqdm.autonotebook import trange
 
 from st_fastbackend.engine.spec import UnsupportedModelError
-from st_fastbackend.modules import PackedPooling, PackedTransformer
+from st_fastbackend.modules import PackedPooling, PackedTransformer, check_texts
 
 FAST_MODULES: dict[type, type] = {Transformer: PackedTransformer, Pooling: PackedPooling}
 
@@ -91,6 +93,7 @@ class SentenceTransformer(sentence_transformers.SentenceTransformer):
                 device=device,
                 **kwargs,
             )
+        check_texts(inputs)  # before sorting, so an error names the caller's index
         device = self._resolve_inference_device(device)
         self.eval()
         order = np.argsort([-self._input_length(text) for text in inputs], kind="stable")
@@ -133,9 +136,6 @@ def _per_text_outputs(out: dict[str, Any], output_value: str | None) -> list:
 
 
 def _rewrite_module_types(path: str) -> None:
-    import json
-    from pathlib import Path
-
     canonical = {
         f"{cls.__module__}.{cls.__name__}": f"{base.__module__}.{base.__name__}" for base, cls in FAST_MODULES.items()
     }

@@ -1,6 +1,6 @@
 """sentence-transformers modules that run the packed engine."""
 
 from st_fastbackend.modules.pooling import PackedPooling
-from st_fastbackend.modules.transformer import PackedTransformer
+from st_fastbackend.modules.transformer import PackedTransformer, check_texts
 
-__all__ = ["PackedPooling", "PackedTransformer"]
+__all__ = ["PackedPooling", "PackedTransformer", "check_texts"]

@@ -156,9 +156,7 @@ class PackedTransformer(InputModule):
         """
         if processing_kwargs:
             raise UnsupportedModelError("processing_kwargs in encode()")
-        for index, text in enumerate(inputs):
-            if not isinstance(text, str):
-                raise TypeError(f"The fast backend embeds strings; input {index} is {type(text).__name__}.")
+        check_texts(inputs)
         texts = [prompt + text for text in inputs] if prompt else list(inputs)
         sequences = self.token_ids(texts)
         for index, ids in enumerate(sequences):
@@ -209,6 +207,12 @@ class PackedTransformer(InputModule):
             f"PackedTransformer({self.get_config_dict()}, model_type={self.config.model_type!r}, "
             f"attention_kernel={self.attention_kernel!r})"
         )
+
+
+def check_texts(inputs: list) -> None:
+    for index, text in enumerate(inputs):
+        if not isinstance(text, str):
+            raise TypeError(f"The fast backend embeds strings; input {index} is {type(text).__name__}.")
 
 
 def _without_hub_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:

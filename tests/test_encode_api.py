@@ -1,0 +1,100 @@
+"""Everything users pass to encode() keeps working and gives plain sentence-transformers' numbers."""
+
+import numpy as np
+import pytest
+import torch
+from helpers import TOLERANCE, load_both, max_diff
+
+PROMPTS = {"query": "query: ", "document": "passage: ", "sts": "Instruct: similar text\nQuery: "}
+
+
+@pytest.fixture(scope="module")
+def models(st_model):
+    return load_both(st_model("mistral", pooling_mode="lasttoken"), prompts=PROMPTS)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(prompt_name="sts"),
+        dict(prompt="custom prompt: "),
+        dict(normalize_embeddings=True),
+        dict(truncate_dim=16),
+        dict(precision="int8"),
+        dict(precision="ubinary"),
+        dict(convert_to_tensor=True),
+        dict(convert_to_numpy=False),
+        dict(show_progress_bar=True),
+    ],
+    ids=str,
+)
+def test_encode_arguments(models, texts, kwargs):
+    plain, fast = models
+    a, b = plain.encode(texts, batch_size=8, **kwargs), fast.encode(texts, batch_size=8, **kwargs)
+    assert type(a) is type(b)
+    if isinstance(a, list):
+        a, b = torch.stack(a), torch.stack(b)
+    assert a.shape == b.shape and a.dtype == b.dtype
+    tolerance = TOLERANCE if kwargs.get("precision") is None else 1  # quantised: one step at a bin edge
+    assert max_diff(a, b) <= tolerance
+
+
+def test_query_and_document_prompts(models, texts):
+    plain, fast = models
+    assert max_diff(plain.encode_query(texts), fast.encode_query(texts)) <= TOLERANCE
+    assert max_diff(plain.encode_document(texts), fast.encode_document(texts)) <= TOLERANCE
+    assert max_diff(fast.encode_query(texts), fast.encode(texts, prompt="query: ")) == 0
+
+
+def test_default_prompt_name(st_model, texts):
+    plain, fast = load_both(st_model("qwen2", pooling_mode="mean"), prompts=PROMPTS, default_prompt_name="query")
+    assert max_diff(plain.encode(texts), fast.encode(texts)) <= TOLERANCE
+    assert max_diff(fast.encode(texts), fast.encode(texts, prompt="query: ")) == 0
+
+
+def test_token_embeddings_are_unpadded_per_text(models, texts):
+    plain, fast = models
+    a = plain.encode(texts, output_value="token_embeddings", batch_size=8)
+    b = fast.encode(texts, output_value="token_embeddings", batch_size=8)
+    assert [t.shape for t in a] == [t.shape for t in b]
+    assert max(max_diff(x, y) for x, y in zip(a, b)) <= 1e-4  # hidden states are not unit-norm
+
+
+def test_output_value_none(models, texts):
+    plain, fast = models
+    a, b = plain.encode(texts[:5], output_value=None), fast.encode(texts[:5], output_value=None)
+    for x, y in zip(a, b):
+        assert max_diff(x["sentence_embedding"], y["sentence_embedding"]) <= TOLERANCE
+        n = len(y["input_ids"])
+        assert torch.equal(x["input_ids"][:n], y["input_ids"]) and y["token_embeddings"].shape[0] == n
+
+
+def test_single_string_empty_list_and_attributes(models, texts):
+    plain, fast = models
+    assert fast.encode(texts[5]).shape == plain.encode(texts[5]).shape == (64,)
+    assert max_diff(plain.encode(texts[5]), fast.encode(texts[5])) <= TOLERANCE
+    assert len(fast.encode([])) == len(plain.encode([])) == 0
+    assert fast.get_sentence_embedding_dimension() == plain.get_sentence_embedding_dimension() == 64
+    assert fast.tokenizer("a b")["input_ids"] == plain.tokenizer("a b")["input_ids"]
+
+
+def test_max_seq_length_get_and_set(st_model, texts):
+    plain, fast = load_both(st_model("llama", pooling_mode="mean"))
+    assert fast.max_seq_length == plain.max_seq_length == 256
+    plain.max_seq_length = fast.max_seq_length = 20
+    assert max(len(ids) for ids in fast[0].token_ids(texts)) == 20
+    assert max_diff(plain.encode(texts), fast.encode(texts)) <= TOLERANCE
+
+
+@pytest.mark.parametrize("bad", [None, 3, ["a list"]])
+def test_non_string_input_is_a_clear_error(models, bad):
+    _, fast = models
+    with pytest.raises(TypeError, match="input 1 is"):
+        fast.encode(["fine", bad])
+
+
+def test_multi_process_pool_gives_the_same_vectors(models, texts):
+    _, fast = models
+    single = fast.encode(texts, batch_size=8)
+    pooled = fast.encode(texts, batch_size=8, device=["cpu", "cpu"], chunk_size=10)
+    np.testing.assert_allclose(pooled, single, atol=TOLERANCE, rtol=0)
