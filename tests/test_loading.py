@@ -1,0 +1,111 @@
+"""Checkpoints in every layout we accept, saving, and clear errors for what we do not support."""
+
+import json
+
+import pytest
+import torch
+from builders import build_hf_model, with_pooling
+from helpers import TOLERANCE, load_both, max_diff
+from sentence_transformers import SentenceTransformer as PlainSentenceTransformer
+
+from st_fastbackend import SentenceTransformer, UnsupportedModelError
+from st_fastbackend.engine.weights import CheckpointError
+from st_fastbackend.modules import PackedTransformer
+
+
+def test_save_round_trip(st_model, texts, tmp_path):
+    plain, fast = load_both(st_model("qwen3", pooling_mode="weightedmean"))
+    fast.max_seq_length = 100
+    fast.save(str(tmp_path / "saved"))
+    types = [m["type"] for m in json.loads((tmp_path / "saved" / "modules.json").read_text())]
+    assert all(t.startswith("sentence_transformers.") for t in types)
+    reloaded_plain = PlainSentenceTransformer(str(tmp_path / "saved"), device="cpu")  # no trust_remote_code
+    reloaded_fast = SentenceTransformer(str(tmp_path / "saved"), backend="fast", device="cpu")
+    assert reloaded_plain.max_seq_length == reloaded_fast.max_seq_length == 100
+    assert isinstance(reloaded_fast[0], PackedTransformer)
+    expected = fast.encode(texts)
+    assert max_diff(reloaded_plain.encode(texts), expected) <= TOLERANCE
+    assert max_diff(reloaded_fast.encode(texts), expected) == 0
+
+
+@pytest.mark.parametrize("causal_lm", [False, True], ids=["no prefix", "model. prefix and lm_head"])
+def test_sharded_checkpoint_without_modules_json(tmp_path, texts, causal_lm):
+    """A bare Hugging Face folder, sharded: plain ST picks lasttoken for *ForCausalLM, mean otherwise."""
+    folder = build_hf_model(tmp_path / "hf", "mistral", causal_lm=causal_lm, max_shard_size="60KB")
+    assert (folder / "model.safetensors.index.json").is_file()
+    plain, fast = load_both(folder)
+    assert fast[1].pooling_mode == plain[1].pooling_mode == ("lasttoken" if causal_lm else "mean")
+    assert max_diff(plain.encode(texts), fast.encode(texts)) <= TOLERANCE
+
+
+def test_legacy_pooling_config(st_model, texts, tmp_path):
+    legacy = {"word_embedding_dimension": 64, "pooling_mode_cls_token": True, "pooling_mode_mean_tokens": True}
+    plain, fast = load_both(with_pooling(st_model("llama", pooling_mode="mean"), tmp_path / "legacy", legacy))
+    assert fast[1].pooling_mode == ("cls", "mean")
+    assert max_diff(plain.encode(texts), fast.encode(texts)) <= TOLERANCE
+
+
+def test_bf16_is_close_to_fp32(st_model, texts):
+    folder = st_model("qwen2", pooling_mode="mean")
+    fp32 = SentenceTransformer(str(folder), backend="fast", device="cpu")
+    for key in ("dtype", "torch_dtype"):
+        bf16 = SentenceTransformer(str(folder), backend="fast", device="cpu", model_kwargs={key: torch.bfloat16})
+        assert bf16[0].model.embed_tokens.weight.dtype == torch.bfloat16
+        plain_bf16 = PlainSentenceTransformer(str(folder), device="cpu", model_kwargs={key: torch.bfloat16})
+        reference = fp32.encode(texts)
+        ours = max_diff(bf16.encode(texts).astype("float32"), reference)
+        theirs = max_diff(plain_bf16.encode(texts).astype("float32"), reference)
+        assert ours <= 3 * theirs
+
+
+def edit_config(folder, **changes):
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    "changes, named",
+    [
+        (dict(model_type="gpt2", architectures=["GPT2Model"]), "'gpt2'"),
+        (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+        (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
+                               "long_factor": [1.0] * 8, "original_max_position_embeddings": 64}), "longrope"),
+        (dict(is_causal=False), "is_causal"),
+    ],
+    ids=["architecture", "activation", "rope", "bidirectional"],
+)  # fmt: skip
+def test_unsupported_config_is_a_clear_error(tmp_path, changes, named):
+    folder = build_hf_model(tmp_path / "hf", "llama")
+    edit_config(folder, **changes)
+    with pytest.raises(UnsupportedModelError, match=named) as error:
+        SentenceTransformer(str(folder), backend="fast", device="cpu")
+    assert 'backend="torch"' in str(error.value)
+
+
+def test_checkpoint_errors_name_the_tensor(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = build_hf_model(tmp_path / "hf", "mistral")
+    weights = load_file(folder / "model.safetensors")
+    save_file({**weights, "layers.0.extra.weight": torch.zeros(2)}, folder / "model.safetensors")
+    with pytest.raises(CheckpointError, match="layers.0.extra.weight"):
+        SentenceTransformer(str(folder), backend="fast", device="cpu")
+    save_file({k: v for k, v in weights.items() if "layers.1.self_attn.v_proj" not in k}, folder / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"layers.1.self_attn.qkv_proj.weight: the checkpoint has parts \[0, 1\]"):
+        SentenceTransformer(str(folder), backend="fast", device="cpu")
+    save_file({k: v for k, v in weights.items() if k != "norm.weight"}, folder / "model.safetensors")
+    with pytest.raises(CheckpointError, match="lacks tensors: \\['norm.weight'\\]"):
+        SentenceTransformer(str(folder), backend="fast", device="cpu")
+    edit_config(folder, intermediate_size=96)
+    save_file(weights, folder / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"layers\.0\.mlp\.\w+_proj\.weight: checkpoint shape"):
+        SentenceTransformer(str(folder), backend="fast", device="cpu")
+
+
+def test_other_backends_are_plain_sentence_transformers(st_model, texts):
+    folder = st_model("mistral", pooling_mode="mean")
+    model = SentenceTransformer(str(folder), backend="torch", device="cpu")
+    plain = PlainSentenceTransformer(str(folder), device="cpu")
+    assert type(model[0]) is type(plain[0]) and model.get_backend() == "torch"
+    assert max_diff(model.encode(texts), plain.encode(texts)) == 0
