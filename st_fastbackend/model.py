@@ -112,7 +112,7 @@ class SentenceTransformer(sentence_transformers.SentenceTransformer):
                 rows = rows.cpu() if save_to_cpu else rows
             else:
                 rows = _per_text_outputs(out, output_value)
-            for index, row in zip(indices, rows):
+            for index, row in zip(indices, rows, strict=True):
                 results[index] = row
         if output_value == "sentence_embedding":
             return torch.stack(results) if results else torch.tensor([], device=device)
@@ -127,7 +127,7 @@ def _per_text_outputs(out: dict[str, Any], output_value: str | None) -> list:
         return list(tokens)
     input_ids = out["packed"].input_ids.split(lengths)
     per_text = []
-    for i, (ids, token_embeddings) in enumerate(zip(input_ids, tokens)):
+    for i, (ids, token_embeddings) in enumerate(zip(input_ids, tokens, strict=True)):
         item = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_embeddings": token_embeddings}
         item["sentence_embedding"] = out["sentence_embedding"][i]
         item.update({k: v for k, v in out.items() if k not in item and k != "packed"})

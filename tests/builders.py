@@ -24,8 +24,18 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 
 DECODER_CONFIGS = {
     "mistral": dict(TINY, model_type="mistral", sliding_window=None),
-    "llama": dict(TINY, model_type="llama", rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0,
-        "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "llama": dict(
+        TINY,
+        model_type="llama",
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
     "qwen2": dict(TINY, model_type="qwen2"),
     "qwen3": dict(TINY, model_type="qwen3", head_dim=32),
 }

@@ -21,7 +21,9 @@ MAX_LENGTH = 64
 
 @pytest.fixture(scope="module")
 def e5_folder(tmp_path_factory):
-    folder = build_st_model(tmp_path_factory.mktemp("e5"), "mistral", pooling_mode="lasttoken", max_seq_length=MAX_LENGTH)
+    folder = build_st_model(
+        tmp_path_factory.mktemp("e5"), "mistral", pooling_mode="lasttoken", max_seq_length=MAX_LENGTH
+    )
     add_e5_tokenizer_contradiction(folder)
     return folder
 

@@ -57,13 +57,13 @@ def test_token_embeddings_are_unpadded_per_text(models, texts):
     a = plain.encode(texts, output_value="token_embeddings", batch_size=8)
     b = fast.encode(texts, output_value="token_embeddings", batch_size=8)
     assert [t.shape for t in a] == [t.shape for t in b]
-    assert max(max_diff(x, y) for x, y in zip(a, b)) <= 1e-4  # hidden states are not unit-norm
+    assert max(max_diff(x, y) for x, y in zip(a, b, strict=True)) <= 1e-4  # hidden states are not unit-norm
 
 
 def test_output_value_none(models, texts):
     plain, fast = models
     a, b = plain.encode(texts[:5], output_value=None), fast.encode(texts[:5], output_value=None)
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         assert max_diff(x["sentence_embedding"], y["sentence_embedding"]) <= TOLERANCE
         n = len(y["input_ids"])
         assert torch.equal(x["input_ids"][:n], y["input_ids"]) and y["token_embeddings"].shape[0] == n

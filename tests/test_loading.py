@@ -92,7 +92,9 @@ def test_checkpoint_errors_name_the_tensor(tmp_path):
     with pytest.raises(CheckpointError, match="layers.0.extra.weight"):
         SentenceTransformer(str(folder), backend="fast", device="cpu")
     save_file({k: v for k, v in weights.items() if "layers.1.self_attn.v_proj" not in k}, folder / "model.safetensors")
-    with pytest.raises(CheckpointError, match=r"layers.1.self_attn.qkv_proj.weight: the checkpoint has parts \[0, 1\]"):
+    with pytest.raises(
+        CheckpointError, match=r"layers.1.self_attn.qkv_proj.weight: the checkpoint has parts \[0, 1\]"
+    ):
         SentenceTransformer(str(folder), backend="fast", device="cpu")
     save_file({k: v for k, v in weights.items() if k != "norm.weight"}, folder / "model.safetensors")
     with pytest.raises(CheckpointError, match="lacks tensors: \\['norm.weight'\\]"):

@@ -6,7 +6,15 @@ from helpers import TOLERANCE, load_both, max_diff
 from st_fastbackend.modules import PackedPooling, PackedTransformer
 
 FAMILIES = ["mistral", "llama", "qwen2", "qwen3"]
-POOLING_MODES = ["lasttoken", "mean", "max", "cls", "weightedmean", "mean_sqrt_len_tokens", ("mean", "lasttoken", "max")]
+POOLING_MODES = [
+    "lasttoken",
+    "mean",
+    "max",
+    "cls",
+    "weightedmean",
+    "mean_sqrt_len_tokens",
+    ("mean", "lasttoken", "max"),
+]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -33,7 +41,7 @@ def test_pooling_without_prompt_tokens(st_model, texts, family, pooling_mode):
 
 VARIANTS = {
     "mistral sliding window": ("mistral", dict(sliding_window=16)),
-    "qwen2 sliding window in layer 1": ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1)),
+    "qwen2 window in layer 1": ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1)),
     "llama biases": ("llama", dict(attention_bias=True, mlp_bias=True)),
     "llama linear rope": ("llama", dict(rope_parameters={"rope_type": "linear", "rope_theta": 500.0, "factor": 4.0})),
     "llama yarn rope": (
@@ -41,7 +49,7 @@ VARIANTS = {
         dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                               "original_max_position_embeddings": 128}),
     ),
-    "llama dynamic rope": ("llama", dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 100.0, "factor": 2.0})),
+    "llama dynamic rope": ("llama", dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 100.0, "factor": 2})),
     "qwen3 attention bias": ("qwen3", dict(attention_bias=True)),
     "mistral multi-query": ("mistral", dict(num_key_value_heads=1)),
 }  # fmt: skip

@@ -6,7 +6,6 @@ cache, no LM head, no padding.
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
