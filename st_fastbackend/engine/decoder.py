@@ -76,7 +76,8 @@ class DecoderLayer(nn.Module):
 class Decoder(nn.Module):
     fused = DECODER_FUSED
     ignored = DECODER_IGNORED
-    causal = True
+    prefixes = ("model.",)  # *ForCausalLM checkpoints nest the decoder
+    position_offset = 0
 
     def __init__(self, spec: DecoderSpec) -> None:
         super().__init__()

@@ -53,9 +53,7 @@ class DecoderSpec:
 
     @classmethod
     def from_config(cls, config: PretrainedConfig) -> DecoderSpec:
-        family = DECODER_FAMILIES.get(config.model_type)
-        if family is None:
-            raise UnsupportedModelError(f"model_type {config.model_type!r} (architectures {config.architectures})")
+        family = DECODER_FAMILIES[config.model_type]
         flags = {name: getattr(config, v, False) if isinstance(v, str) else v for name, v in family.items()}
         if config.hidden_act != "silu":
             raise UnsupportedModelError(f"hidden_act {config.hidden_act!r}")

@@ -43,7 +43,7 @@ def load_weights(model: nn.Module, folder: Path, device: torch.device, dtype: to
     for file in checkpoint_files(folder):
         with safe_open(file, framework="pt", device=str(device)) as f:
             for raw_name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                name = raw_name.removeprefix("model.")
+                name = _strip_prefix(raw_name, model.prefixes)
                 if name.startswith(model.ignored):
                     continue
                 target, slot = _fused_name(name, model.fused)
@@ -63,6 +63,13 @@ def load_weights(model: nn.Module, folder: Path, device: torch.device, dtype: to
         state[name] = _join(name, slots, slot_counts.get(owner, 1), expected[name].shape)
     model.load_state_dict(state, strict=True, assign=True)
     return sorted(state)
+
+
+def _strip_prefix(name: str, prefixes: tuple[str, ...]) -> str:
+    for prefix in prefixes:
+        if name.startswith(prefix):
+            return name[len(prefix) :]
+    return name
 
 
 def _fused_name(name: str, fused: dict[str, tuple[str, int]]) -> tuple[str, int]:

@@ -20,8 +20,8 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from st_fastbackend.engine.attention import Kernel, pick_kernel
 from st_fastbackend.engine.batch import PackedBatch
-from st_fastbackend.engine.decoder import Decoder
-from st_fastbackend.engine.spec import DecoderSpec, UnsupportedModelError
+from st_fastbackend.engine.registry import build_engine
+from st_fastbackend.engine.spec import UnsupportedModelError
 from st_fastbackend.engine.weights import INDEX_FILE, checkpoint_files, load_weights
 from st_fastbackend.modules.files import resolve_folder
 
@@ -64,9 +64,7 @@ class PackedTransformer(InputModule):
         config = AutoConfig.from_pretrained(self.folder, **_without_hub_kwargs(config_kwargs or {}))
         if unknown := set(model_kwargs) - _NEUTRAL_MODEL_KWARGS:
             raise UnsupportedModelError(f"model_kwargs {sorted(unknown)}")
-        spec = DecoderSpec.from_config(config)
-        with torch.device("meta"):  # no memory until the checkpoint's tensors are assigned
-            self.model = Decoder(spec)
+        self.model = build_engine(config)
         load_weights(self.model, self.folder, torch.device("cpu"), _resolve_dtype(model_kwargs, config))
         self.config = config
 
@@ -138,7 +136,7 @@ class PackedTransformer(InputModule):
 
     @property
     def attention_kernel(self) -> Kernel:
-        return pick_kernel(self.model.embed_tokens.weight.device)
+        return pick_kernel(next(self.model.parameters()).device)
 
     def get_embedding_dimension(self) -> int:
         return self.config.hidden_size
@@ -162,7 +160,7 @@ class PackedTransformer(InputModule):
         for index, ids in enumerate(sequences):
             if not ids:
                 raise ValueError(f"Input {index} ({inputs[index]!r}) has no tokens; there is nothing to embed.")
-        features: dict[str, Any] = {"packed": PackedBatch.from_sequences(sequences)}
+        features: dict[str, Any] = {"packed": PackedBatch.from_sequences(sequences, self.model.position_offset)}
         if prompt:
             features["prompt_length"] = self.prompt_length(prompt)
         return features

@@ -1,0 +1,70 @@
+"""BERT-family encoders on the packed engine: random BERT / RoBERTa / XLM-R, and the real all-MiniLM-L6-v2."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from helpers import DATA_DIR, TOLERANCE, load_both, max_diff, minilm_path, needs_data
+
+from st_fastbackend import SentenceTransformer, UnsupportedModelError
+from st_fastbackend.modules import PackedTransformer
+
+ENCODERS = ["bert", "roberta", "xlm-roberta"]
+POOLING_MODES = ["mean", "cls", "max", "lasttoken", "weightedmean", "mean_sqrt_len_tokens", ("cls", "mean")]
+
+
+@pytest.mark.parametrize("family", ENCODERS)
+@pytest.mark.parametrize("pooling_mode", POOLING_MODES, ids=str)
+def test_every_encoder_and_pooling_mode_matches_plain(st_model, texts, family, pooling_mode):
+    plain, fast = load_both(st_model(family, pooling_mode=pooling_mode))
+    assert isinstance(fast[0], PackedTransformer) and fast[0].config.model_type == family
+    assert max(len(ids) for ids in fast[0].token_ids(texts)) == 256  # truncation hit
+    assert max_diff(plain.encode(texts, batch_size=8), fast.encode(texts, batch_size=8)) <= TOLERANCE
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta"])
+def test_encoder_prompt_excluded_and_batch_invariance(st_model, texts, family):
+    plain, fast = load_both(st_model(family, pooling_mode="mean", include_prompt=False), prompts={"q": "query: "})
+    assert max_diff(plain.encode(texts, prompt_name="q"), fast.encode(texts, prompt_name="q")) <= TOLERANCE
+    alone = np.stack([fast.encode(text) for text in texts])
+    np.testing.assert_allclose(fast.encode(texts[::-1], batch_size=5)[::-1], alone, atol=1e-5, rtol=0)
+
+
+def test_roberta_positions_start_after_padding_idx(st_model):
+    _, fast = load_both(st_model("roberta", pooling_mode="mean"))
+    assert fast[0].preprocess(["ab cd"])["packed"].position_ids[0].item() == fast[0].config.pad_token_id + 1
+
+
+def test_legacy_do_lower_case(st_model, texts, tmp_path):
+    folder = shutil.copytree(st_model("bert", pooling_mode="mean"), tmp_path / "lower")
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 256, "do_lower_case": True}))
+    plain, fast = load_both(folder)
+    shouted = [text.upper() for text in texts]
+    assert max_diff(plain.encode(shouted), fast.encode(shouted)) <= TOLERANCE
+    assert max_diff(fast.encode(shouted), fast.encode(texts)) <= TOLERANCE
+
+
+def test_relative_positions_are_refused(tmp_path):
+    from builders import build_hf_model
+
+    folder = build_hf_model(tmp_path / "hf", "bert")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "position_embedding_type": "relative_key"}))
+    with pytest.raises(UnsupportedModelError, match="position_embedding_type 'relative_key'"):
+        SentenceTransformer(str(folder), backend="fast", device="cpu")
+
+
+@needs_data
+def test_real_minilm_matches_plain_on_real_sentences():
+    import csv
+
+    with open(DATA_DIR / "stsb" / "stsb-test.tsv", encoding="utf8") as f:
+        rows = list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))[:200]
+    with open(DATA_DIR / "wikitext2" / "wikitext2_test_paragraphs.jsonl", encoding="utf8") as f:
+        paragraphs = [json.loads(line)["text"] for _, line in zip(range(100), f, strict=False)]
+    sentences = [r["sentence1"] for r in rows] + [r["sentence2"] for r in rows] + paragraphs
+    plain, fast = load_both(minilm_path())
+    assert fast[0].config.model_type == "bert" and fast.max_seq_length == 256
+    assert max(len(ids) for ids in fast[0].token_ids(sentences)) == 256  # long paragraphs are truncated
+    assert max_diff(plain.encode(sentences), fast.encode(sentences)) <= TOLERANCE
