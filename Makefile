@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 demo: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) eval/demo.py
+	HF_HUB_OFFLINE=1 $(PY) examples/demo.py
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -111,3 +111,14 @@ def test_other_backends_are_plain_sentence_transformers(st_model, texts):
     plain = PlainSentenceTransformer(str(folder), device="cpu")
     assert type(model[0]) is type(plain[0]) and model.get_backend() == "torch"
     assert max_diff(model.encode(texts), plain.encode(texts)) == 0
+
+
+def test_dtype_auto_takes_the_checkpoint_dtype_and_default_is_fp32(tmp_path):
+    import transformers
+
+    folder = build_hf_model(tmp_path / "hf", "qwen3")
+    transformers.AutoModel.from_pretrained(folder).to(torch.bfloat16).save_pretrained(folder)
+    weight = lambda **kw: SentenceTransformer(str(folder), backend="fast", device="cpu", **kw)[0].model.norm.weight  # noqa: E731
+    assert weight().dtype == torch.float32
+    assert weight(model_kwargs={"dtype": "auto"}).dtype == torch.bfloat16
+    assert weight(model_kwargs={"torch_dtype": "float16"}).dtype == torch.float16

