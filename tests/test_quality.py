@@ -1,13 +1,14 @@
 """Real model, real data: STS-B dev through both backends gives the same Spearman, and MTEB's figure."""
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
 from helpers import DATA_DIR, load_both, minilm_path, needs_data
 
 spec = importlib.util.spec_from_file_location("quality", Path(__file__).parents[1] / "eval" / "quality.py")
-quality = importlib.util.module_from_spec(spec)
+quality = sys.modules["quality"] = importlib.util.module_from_spec(spec)  # dataclasses look it up there
 spec.loader.exec_module(quality)
 
 
