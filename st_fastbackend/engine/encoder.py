@@ -5,58 +5,16 @@ Module names follow transformers' BertModel, so checkpoints load by name; query/
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from torch import Tensor, nn
-from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
 from st_fastbackend.engine.attention import Kernel, varlen_attention
 from st_fastbackend.engine.batch import PackedBatch
-from st_fastbackend.engine.spec import UnsupportedModelError
+from st_fastbackend.engine.spec import EncoderSpec
 
-# model_type -> whether positions start after the padding index (RoBERTa's create_position_ids_from_input_ids).
-ENCODER_FAMILIES = {"bert": False, "roberta": True, "xlm-roberta": True}
 ENCODER_FUSED = {"query": ("qkv", 0), "key": ("qkv", 1), "value": ("qkv", 2)}
 # Heads and buffers some checkpoints carry that embeddings never use.
 ENCODER_IGNORED = ("pooler.", "cls.", "lm_head.", "embeddings.position_ids", "embeddings.token_type_ids")
-
-
-@dataclass(frozen=True)
-class EncoderSpec:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    intermediate_size: int
-    norm_eps: float
-    hidden_act: str
-    max_positions: int
-    type_vocab_size: int
-    position_offset: int  # first position id: 0 for BERT, padding_idx + 1 for RoBERTa
-
-    @classmethod
-    def from_config(cls, config: PretrainedConfig) -> EncoderSpec:
-        if getattr(config, "position_embedding_type", "absolute") != "absolute":
-            raise UnsupportedModelError(f"position_embedding_type {config.position_embedding_type!r}")
-        if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
-            raise UnsupportedModelError("A BERT-family model configured as a decoder (is_decoder/add_cross_attention)")
-        if config.hidden_act not in ACT2FN:
-            raise UnsupportedModelError(f"hidden_act {config.hidden_act!r}")
-        return cls(
-            model_type=config.model_type,
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            num_layers=config.num_hidden_layers,
-            num_heads=config.num_attention_heads,
-            intermediate_size=config.intermediate_size,
-            norm_eps=config.layer_norm_eps,
-            hidden_act=config.hidden_act,
-            max_positions=config.max_position_embeddings,
-            type_vocab_size=config.type_vocab_size,
-            position_offset=config.pad_token_id + 1 if ENCODER_FAMILIES[config.model_type] else 0,
-        )
 
 
 class Embeddings(nn.Module):

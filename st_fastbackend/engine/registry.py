@@ -7,8 +7,14 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from st_fastbackend.engine.decoder import Decoder
-from st_fastbackend.engine.encoder import ENCODER_FAMILIES, Encoder, EncoderSpec
-from st_fastbackend.engine.spec import DECODER_FAMILIES, DecoderSpec, UnsupportedModelError
+from st_fastbackend.engine.encoder import Encoder
+from st_fastbackend.engine.spec import (
+    DECODER_FAMILIES,
+    ENCODER_FAMILIES,
+    DecoderSpec,
+    EncoderSpec,
+    UnsupportedModelError,
+)
 
 SUPPORTED_MODEL_TYPES = sorted([*DECODER_FAMILIES, *ENCODER_FAMILIES])
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 
@@ -29,6 +30,8 @@ DECODER_FAMILIES: dict[str, dict[str, bool | str]] = {
     "qwen3": dict(qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False, qk_norm=True),
 }
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+# model_type -> whether positions start after the padding index (RoBERTa's create_position_ids_from_input_ids).
+ENCODER_FAMILIES = {"bert": False, "roberta": True, "xlm-roberta": True}
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,43 @@ class DecoderSpec:
             rope_scaling=rope_scaling,
             max_rope_positions=config.max_position_embeddings if rope_type == "dynamic" else None,
             **flags,
+        )
+
+
+@dataclass(frozen=True)
+class EncoderSpec:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    norm_eps: float
+    hidden_act: str
+    max_positions: int
+    type_vocab_size: int
+    position_offset: int  # first position id: 0 for BERT, padding_idx + 1 for RoBERTa
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig) -> EncoderSpec:
+        if getattr(config, "position_embedding_type", "absolute") != "absolute":
+            raise UnsupportedModelError(f"position_embedding_type {config.position_embedding_type!r}")
+        if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
+            raise UnsupportedModelError("A BERT-family model configured as a decoder (is_decoder/add_cross_attention)")
+        if config.hidden_act not in ACT2FN:
+            raise UnsupportedModelError(f"hidden_act {config.hidden_act!r}")
+        return cls(
+            model_type=config.model_type,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=config.num_attention_heads,
+            intermediate_size=config.intermediate_size,
+            norm_eps=config.layer_norm_eps,
+            hidden_act=config.hidden_act,
+            max_positions=config.max_position_embeddings,
+            type_vocab_size=config.type_vocab_size,
+            position_offset=config.pad_token_id + 1 if ENCODER_FAMILIES[config.model_type] else 0,
         )
 
 
