@@ -63,22 +63,36 @@ def _torch_varlen(q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch, *, causal
 
 
 def _sdpa_loop(q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch, *, causal: bool, window: int | None) -> Tensor:
+    """One SDPA call per run of adjacent equal-length sequences (packs are sorted by length, so runs are
+    long): [n*L, H, D] is viewed as [n, H, L, D] without a copy. 4-D inputs reach PyTorch's flash kernel
+    for the CPU; 3-D inputs would fall back to the slower math kernel."""
     out = torch.empty_like(q)
     grouped = q.shape[1] != k.shape[1]
     start = 0
-    for length in batch.lengths:
-        end = start + length
-        # [L, H, D] -> [H, L, D]: SDPA wants heads before the sequence.
-        qi, ki, vi = (t[start:end].transpose(0, 1) for t in (q, k, v))
+    for length, count in _equal_length_runs(batch.lengths):
+        end = start + length * count
+        # [n*L, H, D] -> [n, L, H, D] -> [n, H, L, D]
+        qi, ki, vi = (t[start:end].view(count, length, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
         mask = None
         if window is not None and length > window:
             mask = _sliding_window_mask(length, window, q.device)
         oi = F.scaled_dot_product_attention(
             qi, ki, vi, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=grouped
         )
-        out[start:end] = oi.transpose(0, 1)  # [H, L, D] -> [L, H, D]
+        out[start:end].view(count, length, q.shape[1], q.shape[2]).copy_(oi.transpose(1, 2))  # -> [n, L, H, D]
         start = end
     return out
+
+
+def _equal_length_runs(lengths: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(length, count) for each run of adjacent sequences of the same length."""
+    runs: list[tuple[int, int]] = []
+    for length in lengths:
+        if runs and runs[-1][0] == length:
+            runs[-1] = (length, runs[-1][1] + 1)
+        else:
+            runs.append((length, 1))
+    return runs
 
 
 def _sliding_window_mask(length: int, window: int, device: torch.device) -> Tensor:
