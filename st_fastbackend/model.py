@@ -8,24 +8,31 @@ PackedPooling; every other module (Dense, Normalize, ...) stays as it is.
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import sentence_transformers
 import torch
 from sentence_transformers.base.modules import Transformer
 from sentence_transformers.sentence_transformer.modules import Pooling
 from torch import Tensor
-from tqdm.autonotebook import trange
+from tqdm.autonotebook import tqdm
 
+from st_fastbackend.engine.batch import plan_batches
 from st_fastbackend.engine.spec import UnsupportedModelError
 from st_fastbackend.modules import PackedPooling, PackedTransformer, check_texts
 
 FAST_MODULES: dict[type, type] = {Transformer: PackedTransformer, Pooling: PackedPooling}
+TOKENIZE_CHUNK = 4096  # texts tokenized together (while the previous chunk runs) and sorted by length
+# Default token budget per packed batch. CPU: large enough for efficient matrix products, small enough
+# that activations stay in the tens of MiB for small models.
+DEFAULT_MAX_TOKENS = {"cpu": 8192, "cuda": 16384}
 
 
 class SentenceTransformer(sentence_transformers.SentenceTransformer):
+    _max_tokens_per_batch: int | None = None
+
     def __init__(self, model_name_or_path: str | None = None, *, backend: str = "torch", **kwargs: Any) -> None:
         super().__init__(model_name_or_path, backend=backend, **kwargs)
         if backend == "fast":
@@ -93,30 +100,101 @@ class SentenceTransformer(sentence_transformers.SentenceTransformer):
                 device=device,
                 **kwargs,
             )
+        return self._packed_inference(
+            inputs,
+            prompt=prompt,
+            batch_size=batch_size,
+            show_progress_bar=show_progress_bar,
+            output_value=output_value,
+            save_to_cpu=save_to_cpu,
+            normalize_embeddings=normalize_embeddings,
+            truncate_dim=truncate_dim,
+            device=device,
+            **kwargs,
+        )
+
+    def _packed_inference(
+        self,
+        inputs: list,
+        *,
+        prompt: str | None,
+        batch_size: int,
+        show_progress_bar: bool,
+        output_value: str | None,
+        save_to_cpu: bool,
+        normalize_embeddings: bool,
+        truncate_dim: int | None,
+        device: str | torch.device | None,
+        max_tokens_per_batch: int | None = None,
+        **kwargs,
+    ) -> list | Tensor:
+        """Texts are tokenized a chunk at a time in a background thread, sorted by token length within
+        the chunk, and packed into batches of at most `batch_size` texts and `max_tokens_per_batch`
+        tokens; results return in the caller's order."""
         check_texts(inputs)  # before sorting, so an error names the caller's index
         device = self._resolve_inference_device(device)
         self.eval()
-        order = np.argsort([-self._input_length(text) for text in inputs], kind="stable")
+        transformer: PackedTransformer = self[0]
+        budget = max_tokens_per_batch or self.max_tokens_per_batch
+        chunks = [range(s, min(s + TOKENIZE_CHUNK, len(inputs))) for s in range(0, len(inputs), TOKENIZE_CHUNK)]
         results: list = [None] * len(inputs)
-        for start in trange(0, len(inputs), batch_size, desc="Batches", disable=not show_progress_bar):
-            indices = order[start : start + batch_size]
-            features = self.preprocess([inputs[i] for i in indices], prompt=prompt, **kwargs)
-            features["packed"] = features["packed"].to(device, non_blocking=True)
-            out = self(features, **kwargs)
-            if truncate_dim is not None:
-                out["sentence_embedding"] = out["sentence_embedding"][:, :truncate_dim]
-            if output_value == "sentence_embedding":
-                rows = out["sentence_embedding"]
-                if normalize_embeddings:
-                    rows = torch.nn.functional.normalize(rows, p=2, dim=1)
-                rows = rows.cpu() if save_to_cpu else rows
-            else:
-                rows = _per_text_outputs(out, output_value)
-            for index, row in zip(indices, rows, strict=True):
-                results[index] = row
+
+        def tokenize(chunk: range) -> list[list[int]]:
+            return transformer.tokenize_texts([inputs[i] for i in chunk], prompt, first_index=chunk.start)
+
+        with (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize") as background,
+            tqdm(total=len(inputs), desc="Texts", disable=not show_progress_bar) as progress,
+        ):
+            pending = background.submit(tokenize, chunks[0]) if chunks else None
+            for position, chunk in enumerate(chunks):
+                sequences = pending.result()
+                if position + 1 < len(chunks):
+                    pending = background.submit(tokenize, chunks[position + 1])
+                order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
+                for batch in plan_batches([len(sequences[i]) for i in order], batch_size, budget):
+                    picked = [order[j] for j in batch]
+                    features = transformer.pack([sequences[i] for i in picked], prompt)
+                    features["packed"] = features["packed"].to(device, non_blocking=True)
+                    out = self(features, **kwargs)
+                    rows = _rows(out, output_value, truncate_dim, normalize_embeddings, save_to_cpu)
+                    for i, row in zip(picked, rows, strict=True):
+                        results[chunk[i]] = row
+                    progress.update(len(picked))
         if output_value == "sentence_embedding":
             return torch.stack(results) if results else torch.tensor([], device=device)
         return results
+
+    # -- the token budget ---------------------------------------------------------------------
+
+    @property
+    def max_tokens_per_batch(self) -> int:
+        """Tokens per packed batch in encode(): bounds peak memory whatever the text lengths."""
+        if self._max_tokens_per_batch is not None:
+            return self._max_tokens_per_batch
+        return DEFAULT_MAX_TOKENS.get(self.device.type, DEFAULT_MAX_TOKENS["cpu"])
+
+    @max_tokens_per_batch.setter
+    def max_tokens_per_batch(self, value: int | None) -> None:
+        if value is not None and value < 1:
+            raise ValueError(f"max_tokens_per_batch must be positive, got {value}")
+        self._max_tokens_per_batch = value
+
+    def get_model_kwargs(self) -> list[str]:
+        extra = ["max_tokens_per_batch"] if self.backend == "fast" else []
+        return [*super().get_model_kwargs(), *extra]
+
+
+def _rows(out: dict[str, Any], output_value: str | None, truncate_dim, normalize: bool, to_cpu: bool) -> list | Tensor:
+    """One batch's results, one row per text, as sentence-transformers' encode() returns them."""
+    if truncate_dim is not None:
+        out["sentence_embedding"] = out["sentence_embedding"][:, :truncate_dim]
+    if output_value != "sentence_embedding":
+        return _per_text_outputs(out, output_value)
+    rows = out["sentence_embedding"]
+    if normalize:
+        rows = torch.nn.functional.normalize(rows, p=2, dim=1)
+    return rows.cpu() if to_cpu else rows
 
 
 def _per_text_outputs(out: dict[str, Any], output_value: str | None) -> list:

@@ -53,3 +53,18 @@ class PackedBatch:
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
         tensors = {name: getattr(self, name) for name in ("input_ids", "position_ids", "cu_seqlens")}
         return replace(self, **{name: t.to(device, non_blocking=non_blocking) for name, t in tensors.items()})
+
+
+def plan_batches(lengths: Sequence[int], max_texts: int, max_tokens: int) -> list[range]:
+    """Split sequences, in the given order, into consecutive batches of at most `max_texts` sequences
+    and `max_tokens` tokens (a sequence longer than `max_tokens` forms a batch of its own)."""
+    batches: list[range] = []
+    start, tokens = 0, 0
+    for i, length in enumerate(lengths):
+        if i > start and (i - start == max_texts or tokens + length > max_tokens):
+            batches.append(range(start, i))
+            start, tokens = i, 0
+        tokens += length
+    if start < len(lengths):
+        batches.append(range(start, len(lengths)))
+    return batches

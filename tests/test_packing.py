@@ -1,0 +1,67 @@
+"""Token-budget packing in encode(): bounds hold, the caller's order and values are unchanged."""
+
+import numpy as np
+import pytest
+
+import st_fastbackend.model
+from st_fastbackend import SentenceTransformer
+from st_fastbackend.engine.batch import plan_batches
+
+
+def test_plan_batches_bounds_texts_and_tokens():
+    lengths = [50, 40, 40, 30, 9, 9, 9, 9, 9, 1]
+    batches = plan_batches(lengths, max_texts=3, max_tokens=60)
+    assert [list(b) for b in batches] == [[0], [1], [2], [3, 4, 5], [6, 7, 8], [9]]
+    assert plan_batches([500, 3], max_texts=8, max_tokens=100) == [range(0, 1), range(1, 2)]  # too long: alone
+    assert plan_batches([], max_texts=8, max_tokens=100) == []
+
+
+@pytest.fixture(scope="module")
+def model(st_model):
+    return SentenceTransformer(str(st_model("qwen2", pooling_mode="mean")), backend="fast", device="cpu")
+
+
+def record_batches(model):
+    seen = []
+    handle = model[0].register_forward_pre_hook(lambda module, args: seen.append(args[0]["packed"].lengths))
+    return seen, handle
+
+
+@pytest.mark.parametrize("budget, batch_size", [(64, 32), (300, 4), (100_000, 1000)])
+def test_encode_respects_the_budget_and_keeps_order(model, texts, monkeypatch, budget, batch_size):
+    monkeypatch.setattr(st_fastbackend.model, "TOKENIZE_CHUNK", 7)  # several tokenizer chunks
+    reference = np.stack([model.encode(text) for text in texts])
+    seen, handle = record_batches(model)
+    try:
+        out = model.encode(texts, batch_size=batch_size, max_tokens_per_batch=budget)
+    finally:
+        handle.remove()
+    np.testing.assert_allclose(out, reference, atol=1e-5, rtol=0)
+    assert sum(len(lengths) for lengths in seen) == len(texts)
+    for lengths in seen:
+        assert len(lengths) <= batch_size
+        assert sum(lengths) <= budget or len(lengths) == 1
+        assert list(lengths) == sorted(lengths, reverse=True)  # sorted by token length within a chunk
+
+
+def test_budget_is_a_model_property(model, texts):
+    assert model.max_tokens_per_batch == st_fastbackend.model.DEFAULT_MAX_TOKENS["cpu"]
+    model.max_tokens_per_batch = 50
+    seen, handle = record_batches(model)
+    try:
+        model.encode(texts)
+    finally:
+        handle.remove()
+        model.max_tokens_per_batch = None
+    assert all(sum(lengths) <= 50 or len(lengths) == 1 for lengths in seen)
+    with pytest.raises(ValueError):
+        model.max_tokens_per_batch = 0
+
+
+def test_error_names_the_callers_index_across_chunks(st_model, monkeypatch):
+    """A text with no tokens at all (possible with tokenizers that add no special tokens)."""
+    monkeypatch.setattr(st_fastbackend.model, "TOKENIZE_CHUNK", 3)
+    model = SentenceTransformer(str(st_model("qwen2", pooling_mode="mean")), backend="fast", device="cpu")
+    monkeypatch.setattr(model[0], "token_ids", lambda texts: [[5] if t else [] for t in texts])
+    with pytest.raises(ValueError, match="Input 4 "):
+        model.encode(["a", "b", "c", "d", "", "f"])
