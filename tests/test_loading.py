@@ -113,12 +113,17 @@ def test_other_backends_are_plain_sentence_transformers(st_model, texts):
     assert max_diff(model.encode(texts), plain.encode(texts)) == 0
 
 
-def test_dtype_auto_takes_the_checkpoint_dtype_and_default_is_fp32(tmp_path):
+def test_dtype_default_is_fp32_and_auto_follows_the_cpu(tmp_path, monkeypatch):
     import transformers
 
+    from st_fastbackend.modules.transformer import cpu_has_native_bf16
+
     folder = build_hf_model(tmp_path / "hf", "qwen3")
-    transformers.AutoModel.from_pretrained(folder).to(torch.bfloat16).save_pretrained(folder)
+    transformers.AutoModel.from_pretrained(folder).to(torch.float16).save_pretrained(folder)
     weight = lambda **kw: SentenceTransformer(str(folder), backend="fast", device="cpu", **kw)[0].model.norm.weight  # noqa: E731
     assert weight().dtype == torch.float32
-    assert weight(model_kwargs={"dtype": "auto"}).dtype == torch.bfloat16
     assert weight(model_kwargs={"torch_dtype": "float16"}).dtype == torch.float16
+    native = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    assert weight(model_kwargs={"dtype": "auto"}).dtype == native  # this machine has no CUDA
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert weight(model_kwargs={"dtype": "auto"}).dtype == torch.float16  # the checkpoint's, with CUDA

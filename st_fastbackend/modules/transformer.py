@@ -228,14 +228,27 @@ def _without_hub_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _resolve_dtype(model_kwargs: dict[str, Any], config) -> torch.dtype:
-    """sentence-transformers' model_kwargs dtype: a torch.dtype, its name, or "auto" (the checkpoint's)."""
+    """sentence-transformers' model_kwargs dtype: a torch.dtype, its name, or "auto".
+
+    "auto" takes the checkpoint's dtype on a CUDA machine (as transformers does). On a CPU-only machine
+    it takes bf16 where the CPU multiplies bf16 natively (AVX512-BF16 or AMX) and fp32 elsewhere.
+    """
     dtype = model_kwargs.get("dtype", model_kwargs.get("torch_dtype")) or torch.float32
     if dtype == "auto":
-        dtype = getattr(config, "dtype", None) or torch.float32
+        if torch.cuda.is_available():
+            dtype = getattr(config, "dtype", None) or torch.float32
+        else:
+            dtype = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+            logger.info(f'dtype="auto" on a CPU-only machine: {dtype} (native bf16: {cpu_has_native_bf16()})')
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise UnsupportedModelError(f"dtype {dtype!r}")
     return dtype
+
+
+def cpu_has_native_bf16() -> bool:
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private, hence the getattr
+    return any(getattr(torch.cpu, check, lambda: False)() for check in checks)
 
 
 def _lowercase_input(tokenizer: PreTrainedTokenizerBase) -> None:
