@@ -98,3 +98,13 @@ def test_multi_process_pool_gives_the_same_vectors(models, texts):
     single = fast.encode(texts, batch_size=8)
     pooled = fast.encode(texts, batch_size=8, device=["cpu", "cpu"], chunk_size=10)
     np.testing.assert_allclose(pooled, single, atol=TOLERANCE, rtol=0)
+
+
+def test_started_pool_gives_the_same_vectors(models, texts):
+    _, fast = models
+    pool = fast.start_multi_process_pool(["cpu", "cpu"])
+    try:
+        pooled = fast.encode(texts, batch_size=8, pool=pool, prompt_name="query")
+    finally:
+        fast.stop_multi_process_pool(pool)
+    np.testing.assert_allclose(pooled, fast.encode(texts, batch_size=8, prompt_name="query"), atol=TOLERANCE, rtol=0)
