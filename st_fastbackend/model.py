@@ -72,47 +72,13 @@ class SentenceTransformer(sentence_transformers.SentenceTransformer):
 
     # -- inference ----------------------------------------------------------------------------
 
-    @torch.inference_mode()
-    def _inference(
-        self,
-        inputs: list,
-        *,
-        prompt: str | None,
-        batch_size: int,
-        show_progress_bar: bool,
-        output_value: str | None,
-        save_to_cpu: bool,
-        normalize_embeddings: bool,
-        truncate_dim: int | None,
-        device: str | torch.device | None = None,
-        **kwargs,
-    ) -> list | Tensor:
+    def _inference(self, inputs: list, **kwargs) -> list | Tensor:
+        """sentence-transformers' inference loop, or the packed one with backend="fast"."""
         if self.backend != "fast":
-            return super()._inference(
-                inputs,
-                prompt=prompt,
-                batch_size=batch_size,
-                show_progress_bar=show_progress_bar,
-                output_value=output_value,
-                save_to_cpu=save_to_cpu,
-                normalize_embeddings=normalize_embeddings,
-                truncate_dim=truncate_dim,
-                device=device,
-                **kwargs,
-            )
-        return self._packed_inference(
-            inputs,
-            prompt=prompt,
-            batch_size=batch_size,
-            show_progress_bar=show_progress_bar,
-            output_value=output_value,
-            save_to_cpu=save_to_cpu,
-            normalize_embeddings=normalize_embeddings,
-            truncate_dim=truncate_dim,
-            device=device,
-            **kwargs,
-        )
+            return super()._inference(inputs, **kwargs)
+        return self._packed_inference(inputs, **kwargs)
 
+    @torch.inference_mode()
     def _packed_inference(
         self,
         inputs: list,
