@@ -108,6 +108,9 @@ class SentenceTransformer(sentence_transformers.SentenceTransformer):
         def tokenize(chunk: range) -> list[list[int]]:
             return transformer.tokenize_texts([inputs[i] for i in chunk], prompt, first_index=chunk.start)
 
+        if prompt:  # measured (and cached) now: the tokenizer must not run in two threads at once
+            transformer.prompt_length(prompt)
+
         with (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize") as background,
             tqdm(total=len(inputs), desc="Texts", disable=not show_progress_bar) as progress,
