@@ -42,6 +42,7 @@ _DEFAULT_MODULE_CONFIG = {
     "query_expansion": None,
 }
 _TEXT_MODALITY = {"text": {"method": "forward", "method_output_name": "last_hidden_state"}}
+_INIT_KEYS = {"max_seq_length", "do_lower_case", "model_kwargs", "processor_kwargs", "config_kwargs"}
 
 
 class PackedTransformer(InputModule):
@@ -119,8 +120,7 @@ class PackedTransformer(InputModule):
         for key, default in _DEFAULT_MODULE_CONFIG.items():
             if (value := init_kwargs.pop(key, default)) not in (default, None):
                 raise UnsupportedModelError(f"{key}={value!r} in sentence_bert_config.json")
-        if unknown := set(init_kwargs) - {"max_seq_length", "do_lower_case", "model_kwargs", "processor_kwargs",
-                                          "config_kwargs"}:  # fmt: skip
+        if unknown := set(init_kwargs) - _INIT_KEYS:
             raise UnsupportedModelError(f"sentence_bert_config.json keys {sorted(unknown)}")
         return cls(model_name_or_path, **init_kwargs)
 
