@@ -123,9 +123,7 @@ class SentenceTransformer(sentence_transformers.SentenceTransformer):
                 order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
                 for batch in plan_batches([len(sequences[i]) for i in order], batch_size, budget):
                     picked = [order[j] for j in batch]
-                    features = transformer.pack([sequences[i] for i in picked], prompt)
-                    features["packed"] = features["packed"].to(device, non_blocking=True)
-                    out = self(features, **kwargs)
+                    out = self.forward_sequences([sequences[i] for i in picked], prompt, device, **kwargs)
                     rows = _rows(out, output_value, truncate_dim, normalize_embeddings, save_to_cpu)
                     for i, row in zip(picked, rows, strict=True):
                         results[chunk[i]] = row
@@ -133,6 +131,15 @@ class SentenceTransformer(sentence_transformers.SentenceTransformer):
         if output_value == "sentence_embedding":
             return torch.stack(results) if results else torch.tensor([], device=device)
         return results
+
+    def forward_sequences(
+        self, sequences: list[list[int]], prompt: str | None = None, device: torch.device | None = None, **kwargs
+    ) -> dict[str, Any]:
+        """One packed forward pass over token-id sequences (already tokenized with `prompt`, if any):
+        every module's outputs, "sentence_embedding" [B, dim] among them."""
+        features = self[0].pack(sequences, prompt)
+        features["packed"] = features["packed"].to(device or self.device, non_blocking=True)
+        return self(features, **kwargs)
 
     # -- the token budget ---------------------------------------------------------------------
 

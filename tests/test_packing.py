@@ -62,6 +62,6 @@ def test_error_names_the_callers_index_across_chunks(st_model, monkeypatch):
     """A text with no tokens at all (possible with tokenizers that add no special tokens)."""
     monkeypatch.setattr(st_fastbackend.model, "TOKENIZE_CHUNK", 3)
     model = SentenceTransformer(str(st_model("qwen2", pooling_mode="mean")), backend="fast", device="cpu")
-    monkeypatch.setattr(model[0], "token_ids", lambda texts: [[5] if t else [] for t in texts])
+    monkeypatch.setattr(model[0], "token_ids", lambda texts, max_length=None: [[5] if t else [] for t in texts])
     with pytest.raises(ValueError, match="Input 4 "):
         model.encode(["a", "b", "c", "d", "", "f"])

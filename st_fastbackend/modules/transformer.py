@@ -157,10 +157,12 @@ class PackedTransformer(InputModule):
         check_texts(inputs)
         return self.pack(self.tokenize_texts(inputs, prompt), prompt)
 
-    def tokenize_texts(self, texts: list[str], prompt: str | None = None, first_index: int = 0) -> list[list[int]]:
+    def tokenize_texts(
+        self, texts: list[str], prompt: str | None = None, first_index: int = 0, max_length: int | None = None
+    ) -> list[list[int]]:
         """Token ids of prompt + text for each text; an input without any token is an error naming it
         (as `first_index` + its position, the caller's numbering)."""
-        sequences = self.token_ids([prompt + text for text in texts] if prompt else texts)
+        sequences = self.token_ids([prompt + text for text in texts] if prompt else texts, max_length)
         for index, ids in enumerate(sequences):
             if not ids:
                 raise ValueError(
@@ -174,10 +176,11 @@ class PackedTransformer(InputModule):
             features["prompt_length"] = self.prompt_length(prompt)
         return features
 
-    def token_ids(self, texts: list[str]) -> list[list[int]]:
-        """Token ids as the model expects them, truncated to max_seq_length, without padding."""
+    def token_ids(self, texts: list[str], max_length: int | None = None) -> list[list[int]]:
+        """Token ids as the model expects them, truncated to `max_length` (default max_seq_length),
+        without padding."""
         extra = int(self.add_bos) + int(self.add_eos)
-        limit = {"max_length": self.max_seq_length - extra} if extra else {}
+        limit = {"max_length": (max_length or self.max_seq_length) - extra} if extra or max_length else {}
         encoded = self.tokenizer(
             texts, truncation="longest_first", return_attention_mask=False, return_token_type_ids=False, **limit
         )["input_ids"]
