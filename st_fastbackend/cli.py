@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 
@@ -23,8 +24,19 @@ def main(argv: list[str] | None = None) -> None:
     encode.add_argument("--batch-size", type=int, default=32)
     encode.add_argument("--prompt-name", default=None)
     encode.add_argument("--normalize", action="store_true")
+    serve = commands.add_parser("serve", help="OpenAI-compatible /v1/embeddings server with dynamic batching")
+    serve.add_argument("model", help="a sentence-transformers folder or Hub id")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="default: the model argument")
+    serve.add_argument("--device", default=None)
+    serve.add_argument("--dtype", default=None, help="e.g. float32, bfloat16, float16, auto")
+    serve.add_argument("--max-batch-tokens", type=int, default=None, help="tokens per packed batch")
+    serve.add_argument("--max-batch-size", type=int, default=256, help="inputs per request and per batch")
+    serve.add_argument("--max-input-tokens", type=int, default=None, help="default: the model's max_seq_length")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     args = parser.parse_args(argv)
-    _encode(args)
+    {"encode": _encode, "serve": _serve}[args.command](args)
 
 
 def _encode(args: argparse.Namespace) -> None:
@@ -35,8 +47,7 @@ def _encode(args: argparse.Namespace) -> None:
     else:
         with open(args.input, encoding="utf8") as source:
             texts = source.read().splitlines()
-    model_kwargs = {"dtype": args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)} if args.dtype else {}
-    model = SentenceTransformer(args.model, backend=args.backend, device=args.device, model_kwargs=model_kwargs)
+    model = SentenceTransformer(args.model, backend=args.backend, device=args.device, model_kwargs=_dtype(args))
     start = time.perf_counter()
     embeddings = model.encode(
         texts, batch_size=args.batch_size, prompt_name=args.prompt_name, normalize_embeddings=args.normalize
@@ -44,6 +55,38 @@ def _encode(args: argparse.Namespace) -> None:
     seconds = time.perf_counter() - start
     np.save(args.output, embeddings.astype(np.float32))
     print(f"{len(texts)} texts -> {args.output} {embeddings.shape} in {seconds:.2f}s", file=sys.stderr)
+
+
+def _serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from st_fastbackend import SentenceTransformer
+    from st_fastbackend.serve.app import create_app
+
+    model = SentenceTransformer(args.model, backend="fast", device=args.device, model_kwargs=_dtype(args))
+    max_input_tokens = args.max_input_tokens or model.max_seq_length
+    if max_input_tokens > model.max_seq_length:
+        raise SystemExit(
+            f"--max-input-tokens {max_input_tokens} exceeds the model's max_seq_length {model.max_seq_length}."
+        )
+    app = create_app(
+        model,
+        served_model_name=args.served_model_name or args.model,
+        max_batch_tokens=args.max_batch_tokens or model.max_tokens_per_batch,
+        max_batch_size=args.max_batch_size,
+        max_input_tokens=max_input_tokens,
+        api_key=args.api_key,
+    )
+    # uvicorn handles SIGTERM: stop accepting, let in-flight requests finish, run the app's shutdown. Then it
+    # re-raises the signal under the handler that was there before; a no-op one makes the exit status 0.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+
+
+def _dtype(args: argparse.Namespace) -> dict:
+    if not args.dtype:
+        return {}
+    return {"dtype": args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)}
 
 
 if __name__ == "__main__":

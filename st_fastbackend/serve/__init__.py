@@ -1,0 +1,1 @@
+"""OpenAI-compatible /v1/embeddings server with dynamic batching (FastAPI + uvicorn)."""

@@ -1,0 +1,156 @@
+"""Dynamic batching: requests from every client wait in one queue; a single worker thread takes all
+that are waiting, tokenizes each on its own (a bad request fails alone), and runs them together in
+token-budget packs. A text's embedding does not depend on what it was packed with."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+from prometheus_client import CollectorRegistry, Histogram
+
+from st_fastbackend.engine.batch import plan_batches
+
+
+class InputError(ValueError):
+    """The request's own fault (too long, no tokens): answered with 400, the batch goes on."""
+
+
+@dataclass
+class Job:
+    texts: list[str] | None  # either texts, tokenized in the worker ...
+    token_ids: list[list[int]] | None  # ... or token ids as the client sent them
+    prompt: str | None
+    truncate: bool
+    future: Future = field(default_factory=Future)
+    queued_at: float = field(default_factory=time.perf_counter)
+
+
+class Batcher:
+    def __init__(
+        self, model, max_batch_tokens: int, max_batch_size: int, max_input_tokens: int, registry: CollectorRegistry
+    ):
+        self.model = model
+        self.max_batch_tokens, self.max_batch_size, self.max_input_tokens = (
+            max_batch_tokens,
+            max_batch_size,
+            max_input_tokens,
+        )
+        self._pending: deque[Job] = deque()
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="embedding-worker", daemon=True)
+        seconds = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+        self.queue_wait = Histogram(
+            "embedding_queue_wait_seconds", "Time a request waits for the worker", buckets=seconds, registry=registry
+        )
+        self.compute = Histogram(
+            "embedding_compute_seconds", "Forward time per packed batch", buckets=seconds, registry=registry
+        )
+        self.batch_tokens = Histogram(
+            "embedding_batch_tokens",
+            "Tokens per packed batch",
+            buckets=(16, 64, 256, 1024, 4096, 16384, 65536),
+            registry=registry,
+        )
+        self.batch_texts = Histogram(
+            "embedding_batch_texts",
+            "Texts per packed batch",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 1024),
+            registry=registry,
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> Future:
+        with self._wake:
+            if self._stopping:
+                raise RuntimeError("The server is shutting down.")
+            self._pending.append(job)
+            self._wake.notify()
+        return job.future
+
+    def stop(self) -> None:
+        """Finish what is queued, then end the worker."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._pending and not self._stopping:
+                    self._wake.wait()
+                if not self._pending:
+                    return
+                jobs = list(self._pending)
+                self._pending.clear()
+            now = time.perf_counter()
+            for job in jobs:
+                self.queue_wait.observe(now - job.queued_at)
+            try:
+                self._embed(jobs)
+            except Exception as error:  # the worker must outlive any failure
+                for job in jobs:
+                    if not job.future.done():
+                        job.future.set_exception(error)
+
+    def _embed(self, jobs: list[Job]) -> None:
+        """Tokenize each job alone, then pack all sequences sharing a prompt by the token budget."""
+        sequences: dict[str | None, list[tuple[Job, int, list[int]]]] = {}
+        results: dict[int, list] = {}
+        for job in jobs:
+            try:
+                ids = self._token_ids(job)
+            except InputError as error:
+                job.future.set_exception(error)
+                continue
+            results[id(job)] = [None] * len(ids)
+            sequences.setdefault(job.prompt, []).extend((job, i, seq) for i, seq in enumerate(ids))
+        for prompt, items in sequences.items():
+            items.sort(key=lambda item: -len(item[2]))
+            for batch in plan_batches([len(seq) for _, _, seq in items], self.max_batch_size, self.max_batch_tokens):
+                chosen = [items[i] for i in batch]
+                start = time.perf_counter()
+                with torch.inference_mode():
+                    out = self.model.forward_sequences([seq for _, _, seq in chosen], prompt)
+                embeddings = out["sentence_embedding"].float().cpu()
+                self.compute.observe(time.perf_counter() - start)
+                self.batch_tokens.observe(sum(len(seq) for _, _, seq in chosen))
+                self.batch_texts.observe(len(chosen))
+                for (job, i, seq), row in zip(chosen, embeddings, strict=True):
+                    results[id(job)][i] = (row, len(seq))
+        for job in jobs:
+            if not job.future.done():
+                job.future.set_result(results[id(job)])
+
+    def _token_ids(self, job: Job) -> list[list[int]]:
+        limit = self.max_input_tokens
+        if job.token_ids is not None:
+            ids = job.token_ids
+        else:
+            # One token past the limit tells "too long" apart from "exactly at the limit".
+            ids = self.model[0].token_ids([job.prompt + t if job.prompt else t for t in job.texts], limit + 1)
+        vocab_size = self.model[0].config.vocab_size
+        for index, seq in enumerate(ids):
+            if not seq:
+                raise InputError(f"Input {index} has no tokens.")
+            if job.token_ids is not None and not all(0 <= t < vocab_size for t in seq):
+                raise InputError(f"Input {index} has token ids outside the vocabulary (0 to {vocab_size - 1}).")
+            if len(seq) > limit:
+                if not job.truncate:
+                    raise InputError(f"Input {index} has more than {limit} tokens and truncate is false.")
+                ids = ids[:index] + [self._truncated(job, index)] + ids[index + 1 :]
+        return ids
+
+    def _truncated(self, job: Job, index: int) -> list[int]:
+        if job.token_ids is not None:
+            return job.token_ids[index][: self.max_input_tokens]
+        text = job.prompt + job.texts[index] if job.prompt else job.texts[index]
+        return self.model[0].token_ids([text], self.max_input_tokens)[0]
