@@ -58,6 +58,7 @@ def create_app(
     errors_total = Counter("embedding_errors_total", "Error responses by type", ["type"], registry=registry)
     batcher = Batcher(model, max_batch_tokens, max_batch_size, max_input_tokens, registry, dynamic_batching)
     normalizes = any(isinstance(module, Normalize) for module in model)
+    dimension = model.get_embedding_dimension()
     state = {"ready": False}
 
     @contextlib.asynccontextmanager
@@ -111,7 +112,7 @@ def create_app(
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest) -> dict:
+    async def embeddings(body: EmbeddingRequest) -> JSONResponse:
         requests_total.labels(endpoint="/v1/embeddings").inc()
         if body.model is not None and body.model != served_model_name:
             raise ApiError(404, f"The model {body.model!r} does not exist; this server serves {served_model_name!r}.",
@@ -120,7 +121,6 @@ def create_app(
         count = len(texts if texts is not None else token_ids)
         if count > max_batch_size:
             raise ApiError(400, f"{count} inputs in one request; the limit is {max_batch_size}.")
-        dimension = model.get_sentence_embedding_dimension()
         if body.dimensions is not None and body.dimensions > dimension:
             raise ApiError(400, f"dimensions={body.dimensions} exceeds the model's {dimension}.")
         prompt = _prompt(model, body)
@@ -140,8 +140,9 @@ def create_app(
                 vector = torch.nn.functional.normalize(vector, dim=0)
             data.append({"object": "embedding", "index": index, "embedding": _encode(vector, body.encoding_format)})
         tokens = sum(n for _, n in rows)
-        return {"object": "list", "data": data, "model": served_model_name,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}  # fmt: skip
+        usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+        # A JSONResponse skips FastAPI's jsonable_encoder walk over every float of every vector.
+        return JSONResponse({"object": "list", "data": data, "model": served_model_name, "usage": usage})
 
     app.state.batcher = batcher
     app.state.started = time.time()
