@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import time
 from typing import Literal
 
 import torch
@@ -157,7 +156,6 @@ def create_app(
         return JSONResponse({"object": "list", "data": data, "model": served_model_name, "usage": usage})
 
     app.state.batcher = batcher
-    app.state.started = time.time()
     return app
 
 
