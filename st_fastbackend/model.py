@@ -122,12 +122,26 @@ class SentenceTransformer(sentence_transformers.SentenceTransformer):
                     pending = background.submit(tokenize, chunks[position + 1])
                 order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
                 for batch in plan_batches([len(sequences[i]) for i in order], batch_size, budget):
-                    picked = [order[j] for j in batch]
-                    out = self.forward_sequences([sequences[i] for i in picked], prompt, device, **kwargs)
-                    rows = _rows(out, output_value, truncate_dim, normalize_embeddings, save_to_cpu)
-                    for i, row in zip(picked, rows, strict=True):
-                        results[chunk[i]] = row
-                    progress.update(len(picked))
+                    packs = [[order[j] for j in batch]]
+                    while packs:  # a pack that runs out of memory is split in two and retried, in order
+                        picked = packs.pop()
+                        tokens = sum(len(sequences[i]) for i in picked)
+                        if len(picked) > 1 and tokens > budget:  # over the budget learned from a failure
+                            packs += _halves(picked)
+                            continue
+                        try:
+                            out = self.forward_sequences([sequences[i] for i in picked], prompt, device, **kwargs)
+                        except torch.OutOfMemoryError:
+                            if len(picked) == 1:
+                                raise
+                            budget = max(1, tokens // 2)  # kept for the rest of this call
+                            _release_cached_memory(device)
+                            packs += _halves(picked)
+                            continue
+                        rows = _rows(out, output_value, truncate_dim, normalize_embeddings, save_to_cpu)
+                        for i, row in zip(picked, rows, strict=True):
+                            results[chunk[i]] = row
+                        progress.update(len(picked))
         if output_value == "sentence_embedding":
             return torch.stack(results) if results else torch.tensor([], device=device)
         return results
@@ -159,6 +173,17 @@ class SentenceTransformer(sentence_transformers.SentenceTransformer):
     def get_model_kwargs(self) -> list[str]:
         extra = ["max_tokens_per_batch"] if self.backend == "fast" else []
         return [*super().get_model_kwargs(), *extra]
+
+
+def _halves(picked: list[int]) -> list[list[int]]:
+    """The two halves of a pack, the first half last: popped first from a stack of packs."""
+    middle = len(picked) // 2
+    return [picked[middle:], picked[:middle]]
+
+
+def _release_cached_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _rows(out: dict[str, Any], output_value: str | None, truncate_dim, normalize: bool, to_cpu: bool) -> list | Tensor:

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+import torch
 
 import st_fastbackend.model
 from st_fastbackend import SentenceTransformer
@@ -65,3 +66,36 @@ def test_error_names_the_callers_index_across_chunks(st_model, monkeypatch):
     monkeypatch.setattr(model[0], "token_ids", lambda texts, max_length=None: [[5] if t else [] for t in texts])
     with pytest.raises(ValueError, match="Input 4 "):
         model.encode(["a", "b", "c", "d", "", "f"])
+
+
+def test_out_of_memory_splits_the_pack_and_keeps_the_learned_budget(model, texts, monkeypatch):
+    """CUDA out-of-memory, injected on the CPU: packs over 150 tokens fail; nothing is lost or reordered."""
+    reference = model.encode(texts, batch_size=16)
+    real_forward = model.forward_sequences
+    attempts = []
+
+    def forward(sequences, *args, **kwargs):
+        tokens = sum(len(ids) for ids in sequences)
+        attempts.append((tokens, len(sequences)))
+        if tokens > 150 and len(sequences) > 1:
+            raise torch.OutOfMemoryError("injected")
+        return real_forward(sequences, *args, **kwargs)
+
+    monkeypatch.setattr(model, "forward_sequences", forward)
+    out = model.encode(texts, batch_size=16)
+    np.testing.assert_allclose(out, reference, atol=1e-5, rtol=0)
+    assert any(tokens > 150 for tokens, n in attempts)  # the injection did fire
+    budget = None  # the budget learned so far: every later pack of several texts stays within it
+    for tokens, n in attempts:
+        assert budget is None or n == 1 or tokens <= budget
+        if tokens > 150 and n > 1:
+            budget = tokens // 2
+
+
+def test_a_single_text_that_does_not_fit_is_an_error(model, monkeypatch):
+    def forward(*args, **kwargs):
+        raise torch.OutOfMemoryError("injected")
+
+    monkeypatch.setattr(model, "forward_sequences", forward)
+    with pytest.raises(torch.OutOfMemoryError):
+        model.encode(["one text"])
