@@ -138,25 +138,23 @@ class Batcher:
 
     def _token_ids(self, job: Job) -> list[list[int]]:
         limit = self.max_input_tokens
-        if job.token_ids is not None:
-            ids = job.token_ids
-        else:
-            # One token past the limit tells "too long" apart from "exactly at the limit".
-            ids = self.model[0].token_ids([job.prompt + t if job.prompt else t for t in job.texts], limit + 1)
+        # Token ids come as sent (the endpoint refused empty lists); texts are tokenized one token past
+        # the limit, which tells "too long" apart from "exactly at the limit".
+        ids = job.token_ids if job.token_ids is not None else self._tokenize(job, job.texts, limit + 1)
         vocab_size = self.model[0].config.vocab_size
         for index, seq in enumerate(ids):
-            if not seq:
-                raise InputError(f"Input {index} has no tokens.")
             if job.token_ids is not None and not all(0 <= t < vocab_size for t in seq):
                 raise InputError(f"Input {index} has token ids outside the vocabulary (0 to {vocab_size - 1}).")
             if len(seq) > limit:
                 if not job.truncate:
                     raise InputError(f"Input {index} has more than {limit} tokens and truncate is false.")
-                ids = ids[:index] + [self._truncated(job, index)] + ids[index + 1 :]
+                cut = seq[:limit] if job.token_ids is not None else self._tokenize(job, [job.texts[index]], limit)[0]
+                ids = ids[:index] + [cut] + ids[index + 1 :]
         return ids
 
-    def _truncated(self, job: Job, index: int) -> list[int]:
-        if job.token_ids is not None:
-            return job.token_ids[index][: self.max_input_tokens]
-        text = job.prompt + job.texts[index] if job.prompt else job.texts[index]
-        return self.model[0].token_ids([text], self.max_input_tokens)[0]
+    def _tokenize(self, job: Job, texts: list[str], limit: int) -> list[list[int]]:
+        """PackedTransformer's tokenization (prompt, special tokens, no-token check) at a length limit."""
+        try:
+            return self.model[0].tokenize_texts(texts, job.prompt, max_length=limit)
+        except ValueError as error:
+            raise InputError(str(error)) from error
