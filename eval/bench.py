@@ -27,6 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from st_fastbackend.engine.decoder import Decoder
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA_DIR = REPO.parent / "shared" / "data"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -91,8 +93,8 @@ def flops(model, token_ids: list[list[int]]) -> float:
     embedding = sum(p.numel() for name, p in engine.named_parameters() if "embed" in name)
     params = sum(p.numel() for p in engine.parameters()) - embedding
     spec = engine.spec
-    width = spec.num_heads * (spec.hidden_size // spec.num_heads if not hasattr(spec, "head_dim") else spec.head_dim)
-    causal = 0.5 if hasattr(spec, "windows") else 1.0
+    width = spec.num_heads * getattr(spec, "head_dim", spec.hidden_size // spec.num_heads)  # encoders: no head_dim
+    causal = 0.5 if isinstance(engine, Decoder) else 1.0
     attention = sum(4 * len(ids) ** 2 * width * spec.num_layers * causal for ids in token_ids)
     return 2 * params * sum(len(ids) for ids in token_ids) + attention
 
