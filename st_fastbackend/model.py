@@ -8,6 +8,7 @@ PackedPooling; every other module (Dense, Normalize, ...) stays as it is.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -25,15 +26,20 @@ from st_fastbackend.modules import PackedPooling, PackedTransformer, check_texts
 
 FAST_MODULES: dict[type, type] = {Transformer: PackedTransformer, Pooling: PackedPooling}
 TOKENIZE_CHUNK = 4096  # texts tokenized together (while the previous chunk runs) and sorted by length
-# Default token budget per packed batch. CPU: large enough for efficient matrix products, small enough
-# that activations stay in the tens of MiB for small models.
-DEFAULT_MAX_TOKENS = {"cpu": 8192, "cuda": 16384}
+# Default token budget per packed batch on a CPU: large enough for efficient matrix products, small
+# enough that activations stay in the tens of MiB for small models. GPUs size it from free memory.
+DEFAULT_MAX_TOKENS = {"cpu": 8192}
 
 
 class SentenceTransformer(sentence_transformers.SentenceTransformer):
     _max_tokens_per_batch: int | None = None
 
     def __init__(self, model_name_or_path: str | None = None, *, backend: str = "torch", **kwargs: Any) -> None:
+        if backend == "fast" and not hasattr(sentence_transformers.SentenceTransformer, "_inference"):
+            raise ImportError(
+                f'backend="fast" needs sentence-transformers >= 6.2 (its encode() loop is what we replace); '
+                f"found {sentence_transformers.__version__}."
+            )
         super().__init__(model_name_or_path, backend=backend, **kwargs)
         if backend == "fast":
             self._check_fast_pipeline()
@@ -101,7 +107,7 @@ class SentenceTransformer(sentence_transformers.SentenceTransformer):
         device = self._resolve_inference_device(device)
         self.eval()
         transformer: PackedTransformer = self[0]
-        budget = max_tokens_per_batch or self.max_tokens_per_batch
+        runner = PackRunner(self, prompt, device, max_tokens_per_batch or self.token_budget(device))
         chunks = [range(s, min(s + TOKENIZE_CHUNK, len(inputs))) for s in range(0, len(inputs), TOKENIZE_CHUNK)]
         results: list = [None] * len(inputs)
 
@@ -121,27 +127,14 @@ class SentenceTransformer(sentence_transformers.SentenceTransformer):
                 if position + 1 < len(chunks):
                     pending = background.submit(tokenize, chunks[position + 1])
                 order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
-                for batch in plan_batches([len(sequences[i]) for i in order], batch_size, budget):
-                    packs = [[order[j] for j in batch]]
-                    while packs:  # a pack that runs out of memory is split in two and retried, in order
-                        picked = packs.pop()
-                        tokens = sum(len(sequences[i]) for i in picked)
-                        if len(picked) > 1 and tokens > budget:  # over the budget learned from a failure
-                            packs += _halves(picked)
-                            continue
-                        try:
-                            out = self.forward_sequences([sequences[i] for i in picked], prompt, device, **kwargs)
-                        except torch.OutOfMemoryError:
-                            if len(picked) == 1:
-                                raise
-                            budget = max(1, tokens // 2)  # kept for the rest of this call
-                            _release_cached_memory(device)
-                            packs += _halves(picked)
-                            continue
+                for batch in plan_batches([len(sequences[i]) for i in order], batch_size, runner.budget):
+                    for picked, out in runner(sequences, [order[j] for j in batch], **kwargs):
                         rows = _rows(out, output_value, truncate_dim, normalize_embeddings, save_to_cpu)
                         for i, row in zip(picked, rows, strict=True):
                             results[chunk[i]] = row
                         progress.update(len(picked))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the rows were copied to the host without waiting, pack by pack
         if output_value == "sentence_embedding":
             return torch.stack(results) if results else torch.tensor([], device=device)
         return results
@@ -160,9 +153,15 @@ class SentenceTransformer(sentence_transformers.SentenceTransformer):
     @property
     def max_tokens_per_batch(self) -> int:
         """Tokens per packed batch in encode(): bounds peak memory whatever the text lengths."""
+        return self.token_budget(self.device)
+
+    def token_budget(self, device: torch.device) -> int:
+        """The budget set by the user, else a default for the device: fixed on CPUs, from free memory on GPUs."""
         if self._max_tokens_per_batch is not None:
             return self._max_tokens_per_batch
-        return DEFAULT_MAX_TOKENS.get(self.device.type, DEFAULT_MAX_TOKENS["cpu"])
+        if device.type == "cuda":
+            return cuda_token_budget(self[0].config, next(self[0].parameters()).dtype, device)
+        return DEFAULT_MAX_TOKENS["cpu"]
 
     @max_tokens_per_batch.setter
     def max_tokens_per_batch(self, value: int | None) -> None:
@@ -175,15 +174,50 @@ class SentenceTransformer(sentence_transformers.SentenceTransformer):
         return [*super().get_model_kwargs(), *extra]
 
 
+class PackRunner:
+    """Runs packs of token sequences through the model, in order. A pack that runs out of device memory
+    is split in two and the halves retried, first half first, so no text is lost or reordered; the
+    budget learned (half the failed pack's tokens) holds for every later pack of this runner."""
+
+    def __init__(self, model: SentenceTransformer, prompt: str | None, device: torch.device, budget: int) -> None:
+        self.model, self.prompt, self.device, self.budget = model, prompt, device, budget
+
+    def __call__(self, sequences: list[list[int]], pack: list[int], **kwargs) -> Iterator[tuple[list[int], dict]]:
+        """(indices into `sequences`, the model's outputs for them), for `pack` or the parts it was split into."""
+        packs = [pack]
+        while packs:
+            picked = packs.pop()
+            tokens = sum(len(sequences[i]) for i in picked)
+            if len(picked) > 1 and tokens > self.budget:  # over the budget learned from a failure
+                packs += _halves(picked)
+                continue
+            try:
+                out = self.model.forward_sequences([sequences[i] for i in picked], self.prompt, self.device, **kwargs)
+            except torch.OutOfMemoryError:
+                if len(picked) == 1:
+                    raise
+                self.budget = max(1, tokens // 2)
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                packs += _halves(picked)
+                continue
+            yield picked, out
+
+
 def _halves(picked: list[int]) -> list[list[int]]:
     """The two halves of a pack, the first half last: popped first from a stack of packs."""
     middle = len(picked) // 2
     return [picked[middle:], picked[:middle]]
 
 
-def _release_cached_memory(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+def cuda_token_budget(config, dtype: torch.dtype, device: torch.device, fraction: float = 0.5) -> int:
+    """Tokens per pack whose activations fit in `fraction` of the GPU memory still free. Per token, a
+    layer holds at most about 4 x (hidden + intermediate) values at once (hidden states and their norm,
+    fused q/k/v, fused gate/up with the activation and its product); attention kernels add O(tokens)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # cached by PyTorch
+    per_token = 4 * (config.hidden_size + config.intermediate_size) * dtype.itemsize
+    return max(DEFAULT_MAX_TOKENS["cpu"], int(free * fraction) // per_token)
 
 
 def _rows(out: dict[str, Any], output_value: str | None, truncate_dim, normalize: bool, to_cpu: bool) -> list | Tensor:
@@ -195,7 +229,8 @@ def _rows(out: dict[str, Any], output_value: str | None, truncate_dim, normalize
     rows = out["sentence_embedding"]
     if normalize:
         rows = torch.nn.functional.normalize(rows, p=2, dim=1)
-    return rows.cpu() if to_cpu else rows
+    # From a GPU: copied without waiting for it; the caller synchronizes once before reading the rows.
+    return rows.to("cpu", non_blocking=True) if to_cpu else rows
 
 
 def _per_text_outputs(out: dict[str, Any], output_value: str | None) -> list:

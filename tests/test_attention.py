@@ -53,3 +53,28 @@ def test_packed_batch_layout():
     assert batch.max_seqlen == 3 and batch.lengths == (3, 1, 2)
     with pytest.raises(ValueError):
         PackedBatch.from_sequences([[1], []])
+
+
+def test_torch_varlen_before_window_support(monkeypatch):
+    """torch < 2.12's varlen_attn (CUDA only) takes is_causal, no window and equal head counts. A CPU
+    stand-in with that signature checks our side: k/v heads repeated, and sequences longer than the
+    window sent through the per-sequence SDPA with a window mask."""
+    import torch.nn.attention.varlen as varlen
+
+    calls = []
+
+    def old_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False):
+        assert q.shape[1] == k.shape[1] == v.shape[1]
+        calls.append(max_q)
+        lengths = (cu_q[1:] - cu_q[:-1]).tolist()
+        return dense_reference(q, k, v, lengths, is_causal, None)
+
+    monkeypatch.setattr(varlen, "varlen_attn", old_varlen_attn)
+    lengths = [9, 4, 4, 1]
+    batch = PackedBatch.from_sequences([[0] * n for n in lengths])
+    q = torch.randn(sum(lengths), 4, 8)
+    k, v = torch.randn(2, sum(lengths), 2, 8)
+    for window in (None, 16, 3):  # no window, a window longer than every sequence, a window that cuts
+        out = varlen_attention(q, k, v, batch, causal=True, window=window, kernel="torch_varlen")
+        torch.testing.assert_close(out, dense_reference(q, k, v, lengths, True, window), atol=1e-5, rtol=1e-5)
+    assert calls == [9, 9]  # the cutting window did not reach the windowless kernel

@@ -4,6 +4,10 @@ import numpy as np
 import pytest
 import torch
 from helpers import DATA_DIR, load_both, minilm_path, needs_data
+from transformers import AutoConfig
+
+from st_fastbackend import SentenceTransformer
+from st_fastbackend.modules.transformer import _resolve_dtype
 
 
 def one_minus_cosine(a, b) -> np.ndarray:
@@ -34,3 +38,23 @@ def test_bf16_error_bound_on_minilm_real_sentences():
     with open(DATA_DIR / "stsb" / "stsb-dev.tsv", encoding="utf8") as f:
         rows = list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))[:150]
     assert_bf16_error_within_twice_plain(minilm_path(), [r["sentence1"] for r in rows])
+
+
+def test_fp16_for_a_family_that_overflows_only_when_asked_by_name(st_model, caplog, monkeypatch):
+    folder = str(st_model("qwen2", pooling_mode="mean"))
+    with caplog.at_level("WARNING"):
+        model = SentenceTransformer(folder, backend="fast", device="cpu", model_kwargs={"dtype": torch.float16})
+    assert next(model[0].parameters()).dtype == torch.float16
+    assert "overflow in float16" in caplog.text
+    assert np.isfinite(model.encode(["runs in float16 as asked"])).all()
+
+    # dtype="auto" on a GPU machine takes the checkpoint's dtype, except fp16 for such a family.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+    config = AutoConfig.from_pretrained(folder)
+    config.dtype = torch.float16
+    assert _resolve_dtype({"dtype": "auto"}, config) == torch.bfloat16
+    config.model_type = "mistral"
+    assert _resolve_dtype({"dtype": "auto"}, config) == torch.float16
+    config.dtype = torch.bfloat16
+    assert _resolve_dtype({"dtype": "auto"}, config) == torch.bfloat16

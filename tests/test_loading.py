@@ -118,7 +118,7 @@ def test_dtype_default_is_fp32_and_auto_follows_the_cpu(tmp_path, monkeypatch):
 
     from st_fastbackend.modules.transformer import cpu_has_native_bf16
 
-    folder = build_hf_model(tmp_path / "hf", "qwen3")
+    folder = build_hf_model(tmp_path / "hf", "llama")
     transformers.AutoModel.from_pretrained(folder).to(torch.float16).save_pretrained(folder)
     weight = lambda **kw: SentenceTransformer(str(folder), backend="fast", device="cpu", **kw)[0].model.norm.weight  # noqa: E731
     assert weight().dtype == torch.float32

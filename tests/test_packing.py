@@ -3,10 +3,13 @@
 import numpy as np
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
+from transformers import MistralConfig
 
 import st_fastbackend.model
 from st_fastbackend import SentenceTransformer
 from st_fastbackend.engine.batch import plan_batches
+from st_fastbackend.serve.batcher import Batcher, Job
 
 
 def test_plan_batches_bounds_texts_and_tokens():
@@ -99,3 +102,41 @@ def test_a_single_text_that_does_not_fit_is_an_error(model, monkeypatch):
     monkeypatch.setattr(model, "forward_sequences", forward)
     with pytest.raises(torch.OutOfMemoryError):
         model.encode(["one text"])
+
+
+def test_server_worker_splits_a_pack_that_runs_out_of_memory(model, texts, monkeypatch):
+    """The same back-off in the server's worker: every queued request still gets its own embedding."""
+    reference = model.encode(texts, convert_to_tensor=True)
+    real_forward = model.forward_sequences
+    failures = []
+
+    def forward(sequences, *args, **kwargs):
+        if sum(len(ids) for ids in sequences) > 150 and len(sequences) > 1:
+            failures.append(len(sequences))
+            raise torch.OutOfMemoryError("injected")
+        return real_forward(sequences, *args, **kwargs)
+
+    monkeypatch.setattr(model, "forward_sequences", forward)
+    batcher = Batcher(model, 100_000, 1000, model.max_seq_length, CollectorRegistry())
+    futures = [batcher.submit(Job(texts=[text], token_ids=None, prompt=None, truncate=True)) for text in texts]
+    batcher.start()  # all requests are queued: the worker takes them as one batch
+    batcher.stop()
+    assert failures
+    for future, expected in zip(futures, reference, strict=True):
+        ((row, _),) = future.result(timeout=0)
+        torch.testing.assert_close(row, expected, atol=1e-5, rtol=0)
+
+
+def test_gpu_budget_comes_from_free_memory(monkeypatch):
+    """The CUDA default, with the memory queries answered as an H200 holding a 7B bf16 model would."""
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (120 * gib, 139 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 16 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 14 * gib)
+    config = MistralConfig(hidden_size=4096, intermediate_size=14336)
+    budget = st_fastbackend.model.cuda_token_budget(config, torch.bfloat16, torch.device("cuda"))
+    per_token = 4 * (4096 + 14336) * 2  # bytes of the largest activations of a layer
+    assert 32768 * 8 <= budget <= 122 * gib / 2 / per_token  # a few 32k-token texts per pack, half the memory
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (gib // 4, 139 * gib))
+    small = st_fastbackend.model.cuda_token_budget(config, torch.bfloat16, torch.device("cuda"))
+    assert small == st_fastbackend.model.DEFAULT_MAX_TOKENS["cpu"]  # never below the CPU default

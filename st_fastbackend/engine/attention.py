@@ -54,9 +54,10 @@ def _torch_varlen(q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch, *, causal
     grouped = q.shape[1] != k.shape[1]
     if "window_size" in inspect.signature(varlen_attn).parameters:  # torch >= 2.12
         return varlen_attn(q, k, v, cu, cu, n, n, window_size=window_size, enable_gqa=grouped)
-    # Older releases take is_causal, no window and no grouped heads.
-    if window_size[0] != -1:
-        raise NotImplementedError("Sliding-window attention needs flash-attn or torch >= 2.12 on CUDA.")
+    # Older releases take is_causal, no window and no grouped heads. Where the window changes the
+    # result (a sequence longer than it), each sequence runs through SDPA with its own window mask.
+    if window_size[0] != -1 and n > window_size[0] + 1:
+        return _sdpa_loop(q, k, v, batch, causal=causal, window=window_size[0] + 1)
     if grouped:
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     return varlen_attn(q, k, v, cu, cu, n, n, is_causal=causal)

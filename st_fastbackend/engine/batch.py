@@ -51,8 +51,12 @@ class PackedBatch:
         return torch.repeat_interleave(index, counts, output_size=self.num_tokens)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
+        """On a GPU, non_blocking copies go through pinned memory so they never wait for the GPU's queue."""
+        device = torch.device(device)
+        pin = non_blocking and device.type == "cuda" and self.input_ids.device.type == "cpu"
         tensors = {name: getattr(self, name) for name in ("input_ids", "position_ids", "cu_seqlens")}
-        return replace(self, **{name: t.to(device, non_blocking=non_blocking) for name, t in tensors.items()})
+        moved = {name: (t.pin_memory() if pin else t) for name, t in tensors.items()}
+        return replace(self, **{name: t.to(device, non_blocking=non_blocking) for name, t in moved.items()})
 
 
 def plan_batches(lengths: Sequence[int], max_texts: int, max_tokens: int) -> list[range]:

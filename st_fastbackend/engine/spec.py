@@ -29,6 +29,9 @@ DECODER_FAMILIES: dict[str, dict[str, bool | str]] = {
     "qwen2": dict(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False),
     "qwen3": dict(qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False, qk_norm=True),
 }
+# Families trained in bf16 whose activations overflow fp16's range (inf/NaN embeddings); their authors
+# advise bf16 (QwenLM/Qwen3#868, #761). fp16 only when asked for by name.
+FP16_OVERFLOWS = ("qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 # model_type -> whether positions start after the padding index (RoBERTa's create_position_ids_from_input_ids).
 ENCODER_FAMILIES = {"bert": False, "roberta": True, "xlm-roberta": True}

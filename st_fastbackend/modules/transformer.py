@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 from st_fastbackend.engine.attention import Kernel, pick_kernel
 from st_fastbackend.engine.batch import PackedBatch
 from st_fastbackend.engine.registry import build_engine
-from st_fastbackend.engine.spec import UnsupportedModelError
+from st_fastbackend.engine.spec import FP16_OVERFLOWS, UnsupportedModelError
 from st_fastbackend.engine.weights import INDEX_FILE, checkpoint_files, load_weights
 from st_fastbackend.modules.files import resolve_folder
 
@@ -83,6 +83,7 @@ class PackedTransformer(InputModule):
             _lowercase_input(self.tokenizer)
         self.add_bos, self.add_eos = _missing_special_tokens(self.folder, self.tokenizer)
         self._prompt_lengths: dict[str, int] = {}
+        self._kernel_in_use: Kernel | None = None  # logged when it changes
 
     # -- loading -------------------------------------------------------------------------------
 
@@ -196,7 +197,11 @@ class PackedTransformer(InputModule):
         return self._prompt_lengths[prompt]
 
     def forward(self, features: dict[str, Any], **kwargs) -> dict[str, Any]:
-        features["token_embeddings"] = self.model(features["packed"], self.attention_kernel)  # [T, hidden]
+        kernel = self.attention_kernel
+        if kernel != self._kernel_in_use:
+            logger.info(f"Attention kernel: {kernel}")
+            self._kernel_in_use = kernel
+        features["token_embeddings"] = self.model(features["packed"], kernel)  # [T, hidden]
         return features
 
     def save(self, output_path: str, *args, safe_serialization: bool = True, **kwargs) -> None:
@@ -233,11 +238,13 @@ def _without_hub_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
 def _resolve_dtype(model_kwargs: dict[str, Any], config) -> torch.dtype:
     """sentence-transformers' model_kwargs dtype: a torch.dtype, its name, or "auto".
 
-    "auto" takes the checkpoint's dtype on a CUDA machine (as transformers does). On a CPU-only machine
-    it takes bf16 where the CPU multiplies bf16 natively (AVX512-BF16 or AMX) and fp32 elsewhere.
+    "auto" takes the checkpoint's dtype on a CUDA machine (as transformers does), except fp16 for a
+    family known to overflow in it, which gets bf16 (fp32 where the GPU has no bf16). On a CPU-only
+    machine "auto" takes bf16 where the CPU multiplies bf16 natively (AVX512-BF16 or AMX), else fp32.
     """
-    dtype = model_kwargs.get("dtype", model_kwargs.get("torch_dtype")) or torch.float32
-    if dtype == "auto":
+    asked = model_kwargs.get("dtype", model_kwargs.get("torch_dtype")) or torch.float32
+    dtype = asked
+    if asked == "auto":
         if torch.cuda.is_available():
             dtype = getattr(config, "dtype", None) or torch.float32
         else:
@@ -246,6 +253,13 @@ def _resolve_dtype(model_kwargs: dict[str, Any], config) -> torch.dtype:
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise UnsupportedModelError(f"dtype {dtype!r}")
+    if dtype == torch.float16 and config.model_type in FP16_OVERFLOWS:
+        why = f"{config.model_type} models overflow in float16 (inf/NaN embeddings); their authors advise bfloat16"
+        if asked != "auto":
+            logger.warning(f"{why}. Running in float16 as asked.")
+            return dtype
+        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+        logger.warning(f'{why}. dtype="auto" takes {dtype} instead; pass dtype=torch.float16 to insist.')
     return dtype
 
 

@@ -14,6 +14,7 @@ import torch
 from prometheus_client import CollectorRegistry, Histogram
 
 from st_fastbackend.engine.batch import plan_batches
+from st_fastbackend.model import PackRunner
 
 
 class InputError(ValueError):
@@ -121,17 +122,20 @@ class Batcher:
             sequences.setdefault(job.prompt, []).extend((job, i, seq) for i, seq in enumerate(ids))
         for prompt, items in sequences.items():
             items.sort(key=lambda item: -len(item[2]))
-            for batch in plan_batches([len(seq) for _, _, seq in items], self.max_batch_size, self.max_batch_tokens):
-                chosen = [items[i] for i in batch]
+            all_ids = [seq for _, _, seq in items]
+            runner = PackRunner(self.model, prompt, self.model.device, self.max_batch_tokens)
+            for batch in plan_batches([len(seq) for seq in all_ids], self.max_batch_size, self.max_batch_tokens):
                 start = time.perf_counter()
                 with torch.inference_mode():
-                    out = self.model.forward_sequences([seq for _, _, seq in chosen], prompt)
-                embeddings = out["sentence_embedding"].float().cpu()
-                self.compute.observe(time.perf_counter() - start)
-                self.batch_tokens.observe(sum(len(seq) for _, _, seq in chosen))
-                self.batch_texts.observe(len(chosen))
-                for (job, i, seq), row in zip(chosen, embeddings, strict=True):
-                    results[id(job)][i] = (row, len(seq))
+                    for picked, out in runner(all_ids, list(batch)):  # split in two on out-of-memory
+                        embeddings = out["sentence_embedding"].float().cpu()
+                        self.compute.observe(time.perf_counter() - start)
+                        self.batch_tokens.observe(sum(len(all_ids[i]) for i in picked))
+                        self.batch_texts.observe(len(picked))
+                        for i, row in zip(picked, embeddings, strict=True):
+                            job, index, seq = items[i]
+                            results[id(job)][index] = (row, len(seq))
+                        start = time.perf_counter()
         for job in jobs:
             if not job.future.done():
                 job.future.set_result(results[id(job)])

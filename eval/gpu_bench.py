@@ -1,0 +1,243 @@
+"""The GPU benchmark (issue 7): e5-mistral-7b's architecture with random bf16 weights, plain
+sentence-transformers and the fast backend side by side on the same texts, in one process.
+
+1. the bf16 matrix-product ceiling (one large GEMM, median of timed runs);
+2. the model built on the GPU and saved once as a sentence-transformers folder (lasttoken, Normalize);
+3. correctness: fast vs plain on 64 texts (both bf16), and on a 4-layer copy both against an fp32
+   reference, with the rule "our bf16 error <= 3x plain's own bf16 error";
+4. tokens/s for plain (sdpa, padded, its best batch_size of 8/16/32) and fast on real Wikipedia
+   paragraphs and on fixed lengths (128 ... 8192 tokens), with the ratio and MFU (achieved FLOP/s over
+   the measured ceiling; 2 x non-embedding parameters per token plus attention);
+5. the table, written to --out as JSON and Markdown, printed last.
+
+Run through eval/gpu_bench.sh (it prepares and installs what the device machine lacks). `--dry-run`
+runs every step on a CPU with a 2-layer, narrow model and a few texts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from bench import flops, gemm_ceiling
+from sentence_transformers import SentenceTransformer as PlainSentenceTransformer
+from sentence_transformers.sentence_transformer.modules import Normalize, Pooling
+from transformers import AutoTokenizer, MistralConfig, MistralModel
+
+from st_fastbackend import SentenceTransformer
+
+# intfloat/e5-mistral-7b-instruct's config.json
+E5_MISTRAL_7B = dict(
+    vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, max_position_embeddings=32768, sliding_window=4096, rope_theta=10000.0,
+    rms_norm_eps=1e-5, tie_word_embeddings=False,
+)  # fmt: skip
+DRY_RUN = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2)
+MODULES = [
+    ("", "sentence_transformers.base.modules.transformer.Transformer"),
+    ("1_Pooling", "sentence_transformers.sentence_transformer.modules.pooling.Pooling"),
+    ("2_Normalize", "sentence_transformers.base.modules.normalize.Normalize"),
+]
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def build_folder(folder: Path, tokenizer_dir: Path, device: str, **overrides) -> Path:
+    """Random weights created on `device` in bf16, saved with a tokenizer and sentence-transformers' files."""
+    config = MistralConfig(**{**E5_MISTRAL_7B, **overrides})
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = MistralModel(config)
+    finally:
+        torch.set_default_dtype(default)
+    model.save_pretrained(folder)
+    del model
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512}))
+    Pooling(config.hidden_size, "lasttoken").save(str(folder / "1_Pooling"))
+    Normalize().save(str(folder / "2_Normalize"))
+    modules = [{"idx": i, "name": str(i), "path": path, "type": kind} for i, (path, kind) in enumerate(MODULES)]
+    (folder / "modules.json").write_text(json.dumps(modules, indent=2))
+    return folder
+
+
+def load(folder: Path, backend: str, device: str, dtype: torch.dtype):
+    kwargs = {"dtype": dtype} if backend == "fast" else {"dtype": dtype, "attn_implementation": "sdpa"}
+    cls = SentenceTransformer if backend == "fast" else PlainSentenceTransformer
+    return cls(str(folder), backend=backend, device=device, model_kwargs=kwargs)
+
+
+def encode(model, texts: list[str], batch_size: int) -> np.ndarray:
+    return model.encode(texts, batch_size=batch_size, convert_to_numpy=True).astype(np.float32)
+
+
+def one_minus_cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    return 1 - (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
+def check_small_copy(work: Path, tokenizer_dir: Path, texts: list[str], device: str, overrides: dict) -> dict:
+    """4 layers of the same architecture: fp32 plain is the reference for both bf16 runs."""
+    folder = build_folder(work / "small", tokenizer_dir, device, **{**overrides, "num_hidden_layers": 4})
+    reference = encode(load(folder, "torch", device, torch.float32), texts, 16)
+    fast32 = encode(load(folder, "fast", device, torch.float32), texts, 16)
+    plain16 = encode(load(folder, "torch", device, torch.bfloat16), texts, 16)
+    fast16 = encode(load(folder, "fast", device, torch.bfloat16), texts, 16)
+    ours, theirs = one_minus_cosine(fast16, reference), one_minus_cosine(plain16, reference)
+    shutil.rmtree(folder)
+    gc.collect()
+    return {
+        "fp32_max_abs_diff": float(np.abs(fast32 - reference).max()),
+        "bf16_error_fast_max": float(ours.max()),
+        "bf16_error_plain_max": float(theirs.max()),
+        "bf16_error_fast_mean": float(ours.mean()),
+        "bf16_error_plain_mean": float(theirs.mean()),
+        "passed": bool(ours.max() <= 3 * theirs.max() and ours.mean() <= 3 * theirs.mean()),
+    }
+
+
+def tokens_per_second(model, texts: list[str], batch_size: int, tokens: int, device: str, rounds: int) -> float:
+    encode(model, texts[: batch_size * 2], batch_size)  # warm-up: kernels, allocator
+    times = []
+    for _ in range(rounds):
+        sync(device)
+        start = time.perf_counter()
+        model.encode(texts, batch_size=batch_size)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return tokens / statistics.median(times)
+
+
+def fixed_length_texts(articles: list[str], length: int, count: int) -> list[str]:
+    """`count` different texts of at least 2 x `length` words (truncated to `length` tokens by max_seq_length)."""
+    words = " ".join(articles).split()
+    doubled = words + words  # a span may wrap around the end
+    starts = [(i * 7919) % len(words) for i in range(count)]
+    return [" ".join(doubled[start : start + 2 * length]) for start in starts]
+
+
+def measure(plain, fast, texts: list[str], args, ceiling: float) -> dict:
+    """Both systems on the same texts; plain at its best batch_size, fast at its own."""
+    ids = fast[0].token_ids(texts)
+    tokens = sum(len(seq) for seq in ids)
+    plain_runs = {bs: tokens_per_second(plain, texts, bs, tokens, args.device, args.rounds) for bs in (8, 16, 32)}
+    fast_runs = {bs: tokens_per_second(fast, texts, bs, tokens, args.device, args.rounds) for bs in (32, 512)}
+    plain_bs, fast_bs = max(plain_runs, key=plain_runs.get), max(fast_runs, key=fast_runs.get)
+    work = flops(fast, ids)
+    return {
+        "texts": len(texts),
+        "tokens": tokens,
+        "plain_tokens_per_s": plain_runs[plain_bs],
+        "plain_batch_size": plain_bs,
+        "fast_tokens_per_s": fast_runs[fast_bs],
+        "fast_batch_size": fast_bs,
+        "ratio": fast_runs[fast_bs] / plain_runs[plain_bs],
+        "fast_mfu": work / tokens * fast_runs[fast_bs] / (ceiling * 1e9),
+        "plain_mfu": work / tokens * plain_runs[plain_bs] / (ceiling * 1e9),
+        "all_runs": {"plain": plain_runs, "fast": fast_runs},
+    }
+
+
+def table(results: dict) -> str:
+    lines = [
+        f"bf16 GEMM ceiling: {results['ceiling_gflops'] / 1000:.0f} TFLOP/s; kernel: {results['kernel']}; "
+        f"device: {results['device_name']}",
+        "",
+        "| workload | tokens | plain tok/s (bs) | fast tok/s (bs) | ratio | fast MFU | plain MFU |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results["workloads"].items():
+        lines.append(
+            f"| {name} | {r['tokens']} | {r['plain_tokens_per_s']:,.0f} ({r['plain_batch_size']}) | "
+            f"{r['fast_tokens_per_s']:,.0f} ({r['fast_batch_size']}) | {r['ratio']:.2f}x | "
+            f"{r['fast_mfu']:.0%} | {r['plain_mfu']:.0%} |"
+        )
+    small = results["correctness"]["small_copy"]
+    lines += [
+        "",
+        f"7B fast vs plain (bf16, 64 paragraphs): min cosine {results['correctness']['min_cosine_7b']:.5f}",
+        f"4-layer copy: fp32 max|diff| {small['fp32_max_abs_diff']:.1e}; bf16 1-cos vs fp32, max fast "
+        f"{small['bf16_error_fast_max']:.1e} / plain {small['bf16_error_plain_max']:.1e}, mean fast "
+        f"{small['bf16_error_fast_mean']:.1e} / plain {small['bf16_error_plain_mean']:.1e} -> "
+        f"{'PASS' if small['passed'] else 'FAIL'} (rule: fast <= 3x plain)",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--carry", type=Path, required=True, help="data/ and tokenizer/ prepared by gpu_bench.sh")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/gpu_bench"), help="where the model folders go")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048, 8192])
+    parser.add_argument("--tokens-per-length", type=int, default=65536)
+    parser.add_argument("--paragraphs", type=int, default=2185)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--dry-run", action="store_true", help="CPU, 2 narrow layers, a few texts")
+    args = parser.parse_args()
+    overrides = DRY_RUN if args.dry_run else {}
+    if args.dry_run:
+        args.device, args.lengths, args.tokens_per_length, args.paragraphs = "cpu", [128, 512], 2048, 96
+    else:
+        args.device = "cuda"
+    args.out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(args.work, ignore_errors=True)
+    args.work.mkdir(parents=True)
+    tokenizer_dir = args.carry / "tokenizer"
+    with open(args.carry / "data" / "wikitext2_test_paragraphs.jsonl", encoding="utf8") as f:
+        paragraphs = [json.loads(line)["text"] for line in f][: args.paragraphs]
+    with open(args.carry / "data" / "wikitext2_test_articles.jsonl", encoding="utf8") as f:
+        articles = [json.loads(line)["text"] for line in f]
+
+    results: dict = {"device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu (dry run)"}
+    n = 8192 if args.device == "cuda" else 1024
+    results["ceiling_gflops"] = gemm_ceiling(torch.bfloat16, args.device, n=n, repeats=10)
+    log(f"bf16 GEMM ceiling {results['ceiling_gflops']:.0f} GFLOP/s")
+
+    log("correctness on a 4-layer copy (fp32 reference)")
+    results["correctness"] = {"small_copy": check_small_copy(args.work, tokenizer_dir, paragraphs[:64], args.device, overrides)}
+    log(json.dumps(results["correctness"]["small_copy"]))
+
+    log("building the model")
+    folder = build_folder(args.work / "model", tokenizer_dir, args.device, **overrides)
+    log("loading plain and fast")
+    plain = load(folder, "torch", args.device, torch.bfloat16)
+    fast = load(folder, "fast", args.device, torch.bfloat16)
+    results["kernel"] = fast[0].attention_kernel
+    cosine = 1 - one_minus_cosine(encode(fast, paragraphs[:64], 32), encode(plain, paragraphs[:64], 32))
+    results["correctness"]["min_cosine_7b"] = float(cosine.min())
+    log(f"kernel {results['kernel']}; fast vs plain min cosine {cosine.min():.5f}")
+
+    results["workloads"] = {}
+    log(f"paragraphs ({len(paragraphs)})")
+    results["workloads"]["wikipedia paragraphs"] = measure(plain, fast, paragraphs, args, results["ceiling_gflops"])
+    for length in args.lengths:
+        plain.max_seq_length = fast.max_seq_length = length
+        texts = fixed_length_texts(articles, length, max(1, args.tokens_per_length // length))
+        log(f"{length} tokens x {len(texts)}")
+        results["workloads"][f"{length} tokens"] = measure(plain, fast, texts, args, results["ceiling_gflops"])
+        (args.out / "gpu_bench.json").write_text(json.dumps(results, indent=2))
+    (args.out / "gpu_bench.json").write_text(json.dumps(results, indent=2))
+    (args.out / "gpu_bench.md").write_text(table(results) + "\n")
+    print(table(results), flush=True)
+
+
+if __name__ == "__main__":
+    main()
