@@ -39,7 +39,9 @@ E5_MISTRAL_7B = dict(
     num_key_value_heads=8, max_position_embeddings=32768, sliding_window=4096, rope_theta=10000.0,
     rms_norm_eps=1e-5, tie_word_embeddings=False,
 )  # fmt: skip
-DRY_RUN = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2)
+DRY_RUN = dict(
+    hidden_size=256, intermediate_size=704, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2
+)  # fmt: skip
 MODULES = [
     ("", "sentence_transformers.base.modules.transformer.Transformer"),
     ("1_Pooling", "sentence_transformers.sentence_transformer.modules.pooling.Pooling"),
@@ -71,8 +73,9 @@ def build_folder(folder: Path, tokenizer_dir: Path, device: str, **overrides) ->
     del model
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
     (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512}))
-    Pooling(config.hidden_size, "lasttoken").save(str(folder / "1_Pooling"))
-    Normalize().save(str(folder / "2_Normalize"))
+    for (path, _), module in zip(MODULES[1:], (Pooling(config.hidden_size, "lasttoken"), Normalize()), strict=True):
+        (folder / path).mkdir()
+        module.save(str(folder / path))
     modules = [{"idx": i, "name": str(i), "path": path, "type": kind} for i, (path, kind) in enumerate(MODULES)]
     (folder / "modules.json").write_text(json.dumps(modules, indent=2))
     return folder
@@ -157,7 +160,7 @@ def measure(plain, fast, texts: list[str], args, ceiling: float) -> dict:
 
 def table(results: dict) -> str:
     lines = [
-        f"bf16 GEMM ceiling: {results['ceiling_gflops'] / 1000:.0f} TFLOP/s; kernel: {results['kernel']}; "
+        f"bf16 GEMM ceiling: {results['ceiling_gflops'] / 1000:,.1f} TFLOP/s; kernel: {results['kernel']}; "
         f"device: {results['device_name']}",
         "",
         "| workload | tokens | plain tok/s (bs) | fast tok/s (bs) | ratio | fast MFU | plain MFU |",
@@ -212,8 +215,9 @@ def main() -> None:
     log(f"bf16 GEMM ceiling {results['ceiling_gflops']:.0f} GFLOP/s")
 
     log("correctness on a 4-layer copy (fp32 reference)")
-    results["correctness"] = {"small_copy": check_small_copy(args.work, tokenizer_dir, paragraphs[:64], args.device, overrides)}
-    log(json.dumps(results["correctness"]["small_copy"]))
+    small = check_small_copy(args.work, tokenizer_dir, paragraphs[:64], args.device, overrides)
+    results["correctness"] = {"small_copy": small}
+    log(json.dumps(small))
 
     log("building the model")
     folder = build_folder(args.work / "model", tokenizer_dir, args.device, **overrides)
