@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from st_fastbackend.engine.attention import Kernel, varlen_attention
 from st_fastbackend.engine.batch import PackedBatch
-from st_fastbackend.engine.layers import RMSNorm, Rotary, apply_rotary
+from st_fastbackend.engine.layers import Linear, RMSNorm, Rotary, apply_rotary, onednn_linear
 from st_fastbackend.engine.spec import DecoderSpec
 
 # Checkpoint tensor -> (our fused tensor, slot): q/k/v and gate/up are each one matrix product.
@@ -31,8 +31,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.window = window
         q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        self.qkv_proj = nn.Linear(spec.hidden_size, q_size + 2 * kv_size, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=spec.o_bias)
+        self.qkv_proj = Linear(spec.hidden_size, q_size + 2 * kv_size, bias=spec.qkv_bias)
+        self.o_proj = Linear(q_size, spec.hidden_size, bias=spec.o_bias)
         self.q_norm = RMSNorm(spec.head_dim, spec.norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.norm_eps) if spec.qk_norm else None
 
@@ -52,10 +52,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, spec: DecoderSpec) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
+        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.gate_up_proj.uses_onednn():  # SiLU and the product inside the two halves' matrix products
+            gate = onednn_linear(x, *self.gate_up_proj.prepacked(0, 2), activation="swish")
+            return self.down_proj(onednn_linear(x, *self.gate_up_proj.prepacked(1, 2), multiply=gate))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 

@@ -10,6 +10,7 @@ from transformers.activations import ACT2FN
 
 from st_fastbackend.engine.attention import Kernel, varlen_attention
 from st_fastbackend.engine.batch import PackedBatch
+from st_fastbackend.engine.layers import Linear
 from st_fastbackend.engine.spec import EncoderSpec
 
 ENCODER_FUSED = {"query": ("qkv", 0), "key": ("qkv", 1), "value": ("qkv", 2)}
@@ -35,7 +36,7 @@ class SelfAttention(nn.Module):
     def __init__(self, spec: EncoderSpec) -> None:
         super().__init__()
         self.num_heads, self.head_dim = spec.num_heads, spec.hidden_size // spec.num_heads
-        self.qkv = nn.Linear(spec.hidden_size, 3 * spec.hidden_size)
+        self.qkv = Linear(spec.hidden_size, 3 * spec.hidden_size)
 
     def forward(self, h: Tensor, batch: PackedBatch, kernel: Kernel) -> Tensor:
         q, k, v = self.qkv(h).view(-1, 3, self.num_heads, self.head_dim).unbind(1)  # [T, 3H] -> 3 x [T, heads, D]
@@ -48,7 +49,7 @@ class DenseResidualNorm(nn.Module):
 
     def __init__(self, d_in: int, d_out: int, eps: float) -> None:
         super().__init__()
-        self.dense = nn.Linear(d_in, d_out)
+        self.dense = Linear(d_in, d_out)
         self.LayerNorm = nn.LayerNorm(d_out, eps=eps)
 
     def forward(self, x: Tensor, residual: Tensor) -> Tensor:
@@ -65,7 +66,7 @@ class AttentionBlock(nn.Module):
 class Intermediate(nn.Module):
     def __init__(self, spec: EncoderSpec) -> None:
         super().__init__()
-        self.dense = nn.Linear(spec.hidden_size, spec.intermediate_size)
+        self.dense = Linear(spec.hidden_size, spec.intermediate_size)
         self.act = ACT2FN[spec.hidden_act]
 
     def forward(self, x: Tensor) -> Tensor:

@@ -1,9 +1,61 @@
-"""Norms and rotary position embeddings, numerically as Hugging Face computes them (fp32 inside)."""
+"""Linear layers, norms and rotary position embeddings; norms and rotary numerically as Hugging Face
+computes them (fp32 inside)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+
+
+class Linear(nn.Linear):
+    """nn.Linear that, on a CPU without gradients, multiplies through oneDNN with its weight reordered
+    once into oneDNN's blocked layout. Measured on this project's CPU: fp32 matrix products 10-40%
+    faster than PyTorch's default, and activations fused into the product (eval/RESULTS.md). The dense
+    weight stays the parameter (state_dict, .to(device)); the reordered copies are rebuilt whenever
+    the weight changes, and cost as much memory again as the weights they copy."""
+
+    _prepacked: dict | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.uses_onednn():
+            return F.linear(x, self.weight, self.bias)
+        return onednn_linear(x, *self.prepacked(0, 1))
+
+    def uses_onednn(self) -> bool:
+        w = self.weight
+        return _ONEDNN and w.device.type == "cpu" and w.dtype in _ONEDNN_DTYPES and not torch.is_grad_enabled()
+
+    def prepacked(self, part: int, parts: int) -> tuple[Tensor, Tensor | None]:
+        """Rows part/parts of (weight, bias), the weight in oneDNN's layout."""
+        key = (self.weight.data_ptr(), self.weight._version)
+        if self._prepacked is None or self._prepacked["key"] != key:
+            self._prepacked = {"key": key}
+        if (part, parts) not in self._prepacked:
+            weight = self.weight.detach().chunk(parts)[part].contiguous()
+            bias = None if self.bias is None else self.bias.detach().chunk(parts)[part].contiguous()
+            self._prepacked[part, parts] = (torch.ops.mkldnn._reorder_linear_weight(weight, _PREPACK_ROWS), bias)
+        return self._prepacked[part, parts]
+
+    def __getstate__(self) -> dict:
+        """Pickled (multi-process pools) and copied without the reordered copies: oneDNN's opaque
+        tensors have no storage to pickle; they are rebuilt at the first forward."""
+        return {k: v for k, v in self.__dict__.items() if k != "_prepacked"}
+
+
+def onednn_linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None, activation: str = "none", multiply: Tensor | None = None
+) -> Tensor:
+    """x @ weight.T + bias through oneDNN (weight from Linear.prepacked), then "swish" (SiLU) or a
+    product with `multiply`, inside the same kernel."""
+    if multiply is not None:
+        return torch.ops.mkldnn._linear_pointwise.binary(x, multiply, weight, bias, "mul")
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, activation, [], "")
+
+
+_ONEDNN = torch.backends.mkldnn.is_available()
+_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+_PREPACK_ROWS = 4096  # the layout is chosen for products with about this many tokens
 
 
 class RMSNorm(nn.Module):

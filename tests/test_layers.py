@@ -1,0 +1,44 @@
+"""The CPU matrix products through oneDNN: the numbers of F.linear, rebuilt when the weight changes."""
+
+import copy
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from st_fastbackend.engine.decoder import MLP
+from st_fastbackend.engine.layers import Linear
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
+
+
+def test_linear_matches_f_linear_and_follows_weight_changes():
+    torch.manual_seed(0)
+    layer, x = Linear(64, 48), torch.randn(37, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+        assert layer.uses_onednn()
+        layer.weight.mul_(2)  # in place: the reordered copy must be rebuilt
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+    assert not layer.uses_onednn()  # gradients on: plain F.linear, autograd works
+    layer(x).sum().backward()
+    assert layer.weight.grad is not None
+    with torch.inference_mode():
+        layer(x)
+    for clone in (pickle.loads(pickle.dumps(layer)), copy.deepcopy(layer)):  # multi-process pools pickle
+        with torch.inference_mode():
+            torch.testing.assert_close(clone(x), layer(x))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_gated_mlp_matches_the_unfused_one(bias):
+    """SiLU(gate) * up inside oneDNN's products equals the two-pass form (Llama's mlp_bias too)."""
+    torch.manual_seed(0)
+    spec = type("Spec", (), dict(hidden_size=64, intermediate_size=96, mlp_bias=bias))
+    mlp, x = MLP(spec), torch.randn(29, 64)
+    gate, up = F.linear(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias).chunk(2, dim=-1)
+    expected = F.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+    with torch.inference_mode():
+        assert mlp.gate_up_proj.uses_onednn()
+        torch.testing.assert_close(mlp(x), expected, atol=1e-5, rtol=1e-5)
