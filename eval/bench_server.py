@@ -8,6 +8,7 @@ request per forward pass), same model, same sentences.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import csv
 import datetime
 import json
@@ -16,10 +17,10 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
+import aiohttp
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,27 +49,30 @@ def start(model: str, dynamic: bool) -> tuple[subprocess.Popen, str]:
 
 
 def load(url: str, texts: list[str], clients: int, seconds: float) -> dict:
+    """`clients` concurrent closed-loop clients as tasks on one asyncio loop (aiohttp): a light load
+    generator, since on a small machine it shares the cores with the server it measures."""
+    return asyncio.run(_load(url, texts, clients, seconds))
+
+
+async def _load(url: str, texts: list[str], clients: int, seconds: float) -> dict:
     latencies: list[float] = []
-    lock = threading.Lock()
     stop_at = time.perf_counter() + seconds
 
-    def client(offset: int) -> None:
-        with httpx.Client(timeout=60) as http:
-            i = offset
-            while time.perf_counter() < stop_at:
-                start = time.perf_counter()
-                http.post(f"{url}/v1/embeddings", json={"input": texts[i % len(texts)]}).raise_for_status()
-                with lock:
-                    latencies.append(time.perf_counter() - start)
-                i += clients
+    async def client(http: aiohttp.ClientSession, offset: int) -> None:
+        i = offset
+        while time.perf_counter() < stop_at:
+            start = time.perf_counter()
+            async with http.post(f"{url}/v1/embeddings", json={"input": texts[i % len(texts)]}) as response:
+                response.raise_for_status()
+                await response.read()
+            latencies.append(time.perf_counter() - start)
+            i += clients
 
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
-    begin = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - begin
+    connector = aiohttp.TCPConnector(limit=clients)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as http:
+        begin = time.perf_counter()
+        await asyncio.gather(*(client(http, k) for k in range(clients)))
+        elapsed = time.perf_counter() - begin
     latencies.sort()
     return {
         "requests_per_s": len(latencies) / elapsed,
