@@ -6,6 +6,10 @@ tokens/s (median of rounds), the ratio, max |diff| (fp32) or worst 1 - cosine to
 
     python eval/bench.py                                  # every model, workload and dtype
     python eval/bench.py --models minilm --workloads sts --dtypes fp32 --rounds 3
+    python eval/bench.py --peers vllm=/opt/vllm-cpu/bin/python openvino=/opt/ov/bin/python
+
+--peers runs other systems installed in their own environments through eval/peer.py on the same model
+folders and texts (after plain and fast, not interleaved with them) and adds them to the table.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
 import tempfile
 import threading
 import time
@@ -180,7 +185,10 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--output-dir", type=Path, default=REPO / "eval" / "results")
+    parser.add_argument("--peers", nargs="*", default=[], metavar="NAME=PYTHON",
+                        help="vllm, openvino, onnx or torch, and the Python of its environment")  # fmt: skip
     args = parser.parse_args()
+    peers = dict(peer.split("=", 1) for peer in args.peers)
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -208,6 +216,8 @@ def main() -> None:
                 token_ids = systems["fast"][0].token_ids(texts)
                 tokens = sum(len(ids) for ids in token_ids)
                 results = run_case(systems, texts, args.batch_size, args.rounds, args.device)
+                for peer, python in peers.items():
+                    results[peer] = run_peer(peer, python, path, dtype_name, texts, args.batch_size, args.rounds)
                 if dtype_name == "fp32":
                     references[workload] = results["plain"]["embeddings"]
                 row = {"model": model_name, "dtype": dtype_name, "workload": workload, "texts": len(texts),
@@ -218,8 +228,9 @@ def main() -> None:
                         "tokens_per_s": tokens / seconds,
                         "gflop_per_s": row["gflop"] / seconds,
                         "ceiling_fraction": row["gflop"] / seconds / ceilings[dtype_name],
-                        "peak_extra_mib": result["peak_extra_bytes"] / 2**20,
+                        "peak_extra_mib": (result["peak_extra_bytes"] or 0) / 2**20,
                         "seconds": result["times"],
+                        "ratio_vs_plain": statistics.median(results["plain"]["times"]) / seconds,
                     }
                     if workload in references:
                         reference = references[workload]
@@ -230,6 +241,10 @@ def main() -> None:
                 row["memory_ratio"] = row["fast"]["peak_extra_mib"] / max(row["plain"]["peak_extra_mib"], 1e-9)
                 rows.append(row)
                 print(_format(row), flush=True)
+                for peer in peers:
+                    fidelity = row[peer].get("max_1_minus_cos_vs_fp32_plain", float("nan"))
+                    speed = f"{row[peer]['tokens_per_s']:>7.0f} tok/s  {row[peer]['ratio_vs_plain']:.2f}x plain"
+                    print(f"    peer {peer:<9} {speed}  max 1-cos vs fp32 plain {fidelity:.1e}")
             del systems
             gc.collect()
 
@@ -241,6 +256,19 @@ def main() -> None:
     out.write_text(json.dumps(report, indent=2))
     _chart(rows, out.with_suffix(".png"))
     print(f"written to {out} and {out.with_suffix('.png')}")
+
+
+def run_peer(system: str, python: str, model: str, dtype: str, texts: list[str], batch_size: int, rounds: int) -> dict:
+    """eval/peer.py under the peer's own Python: its embeddings and the seconds of its timed rounds."""
+    with tempfile.TemporaryDirectory() as work:
+        texts_file, out = Path(work) / "texts.json", Path(work) / "out.npz"
+        texts_file.write_text(json.dumps(texts))
+        command = [python, str(REPO / "eval" / "peer.py"), "--system", system, "--model", model, "--dtype", dtype,
+                   "--texts", str(texts_file), "--batch-size", str(batch_size), "--rounds", str(rounds),
+                   "--out", str(out)]  # fmt: skip
+        subprocess.run(command, check=True)
+        result = np.load(out)
+        return {"embeddings": result["embeddings"], "times": result["seconds"].tolist(), "peak_extra_bytes": None}
 
 
 def _format(row: dict) -> str:
@@ -265,12 +293,18 @@ def _chart(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     labels = [f"{r['model']}\n{r['dtype']} {r['workload']}" for r in rows]
-    x = np.arange(len(rows))
+    systems = ["plain", "fast", *[k for k in rows[0] if isinstance(rows[0][k], dict) and k not in ("plain", "fast")]]
+    names = {"plain": "plain sentence-transformers", "fast": "st_fastbackend"}
+    x, width = np.arange(len(rows)), 0.8 / len(systems)
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(rows)), 4))
-    ax.bar(x - 0.2, [r["plain"]["tokens_per_s"] for r in rows], 0.4, label="plain sentence-transformers")
-    ax.bar(x + 0.2, [r["fast"]["tokens_per_s"] for r in rows], 0.4, label="st_fastbackend")
-    for i, r in enumerate(rows):
-        ax.text(i + 0.2, r["fast"]["tokens_per_s"], f"{r['speedup']:.2f}x", ha="center", va="bottom", fontsize=8)
+    for k, system in enumerate(systems):
+        offset = (k - (len(systems) - 1) / 2) * width
+        label = names.get(system, f"peer: {system}")
+        ax.bar(x + offset, [r[system]["tokens_per_s"] for r in rows], width, label=label)
+        if system != "plain":
+            for i, r in enumerate(rows):
+                ratio = f"{r[system]['ratio_vs_plain']:.2f}x"
+                ax.text(i + offset, r[system]["tokens_per_s"], ratio, ha="center", va="bottom", fontsize=7)
     ax.set_xticks(x, labels, fontsize=7)
     ax.set_ylabel("tokens/s")
     ax.legend()
