@@ -3,6 +3,9 @@ computes them (fp32 inside)."""
 
 from __future__ import annotations
 
+import functools
+import platform
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -24,7 +27,7 @@ class Linear(nn.Linear):
 
     def uses_onednn(self) -> bool:
         w = self.weight
-        return _ONEDNN and w.device.type == "cpu" and w.dtype in _ONEDNN_DTYPES and not torch.is_grad_enabled()
+        return w.device.type == "cpu" and w.dtype in _onednn_dtypes() and not torch.is_grad_enabled()
 
     def prepacked(self, part: int, parts: int) -> tuple[Tensor, Tensor | None]:
         """Rows part/parts of (weight, bias), the weight in oneDNN's layout."""
@@ -53,8 +56,15 @@ def onednn_linear(
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, activation, [], "")
 
 
-_ONEDNN = torch.backends.mkldnn.is_available()
-_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+@functools.cache
+def _onednn_dtypes() -> tuple[torch.dtype, ...]:
+    """Where the oneDNN path was measured: x86-64 CPUs; bf16 only where oneDNN runs it natively (it
+    refuses bf16 without AVX-512 or AVX-NE-CONVERT)."""
+    if platform.machine().lower() not in ("x86_64", "amd64") or not torch.backends.mkldnn.is_available():
+        return ()
+    return (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
+
+
 _PREPACK_ROWS = 4096  # the layout is chosen for products with about this many tokens
 
 
