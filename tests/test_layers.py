@@ -28,6 +28,11 @@ def test_linear_matches_f_linear_and_follows_weight_changes():
     assert layer.weight.grad is not None
     with torch.inference_mode():
         layer(x)
+    assert layer._prepacked is not None
+    layer.to(torch.float64).to(torch.float32)  # moving drops the copies of the old weight
+    assert layer._prepacked is None
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
     for clone in (pickle.loads(pickle.dumps(layer)), copy.deepcopy(layer)):  # multi-process pools pickle
         with torch.inference_mode():
             torch.testing.assert_close(clone(x), layer(x))

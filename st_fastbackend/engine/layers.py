@@ -40,6 +40,11 @@ class Linear(nn.Linear):
             self._prepacked[part, parts] = (torch.ops.mkldnn._reorder_linear_weight(weight, _PREPACK_ROWS), bias)
         return self._prepacked[part, parts]
 
+    def _apply(self, fn, *args, **kwargs):
+        """.to(device), .to(dtype), .half(): the reordered copies belong to the old weight."""
+        self._prepacked = None
+        return super()._apply(fn, *args, **kwargs)
+
     def __getstate__(self) -> dict:
         """Pickled (multi-process pools) and copied without the reordered copies: oneDNN's opaque
         tensors have no storage to pickle; they are rebuilt at the first forward."""
