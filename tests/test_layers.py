@@ -3,10 +3,13 @@
 import copy
 import pickle
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import load_both
 
+from st_fastbackend.engine import layers
 from st_fastbackend.engine.decoder import MLP
 from st_fastbackend.engine.layers import Linear, _onednn_dtypes
 
@@ -49,3 +52,14 @@ def test_fused_gated_mlp_matches_the_unfused_one(bias):
     with torch.inference_mode():
         assert mlp.gate_up_proj.uses_onednn()
         torch.testing.assert_close(mlp(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_no_reordered_copies_where_memory_is_short(st_model, monkeypatch):
+    """The copies would take more than a quarter of the free memory: PyTorch's product, same numbers."""
+    monkeypatch.setattr(layers, "free_memory_bytes", lambda: 1024)
+    plain, fast = load_both(st_model("mistral", pooling_mode="mean"))
+    linears = [m for m in fast[0].model.modules() if isinstance(m, Linear)]
+    assert linears and not any(m.reorder for m in linears)
+    texts = ["a short text", "another text, longer than the first one"]
+    np.testing.assert_allclose(fast.encode(texts), plain.encode(texts), atol=1e-5, rtol=0)
+    assert all(m._prepacked is None for m in linears)

@@ -4,11 +4,15 @@ computes them (fp32 inside)."""
 from __future__ import annotations
 
 import functools
+import logging
+import os
 import platform
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+logger = logging.getLogger(__name__)
 
 
 class Linear(nn.Linear):
@@ -19,6 +23,7 @@ class Linear(nn.Linear):
     the weight changes, and cost as much memory again as the weights they copy."""
 
     _prepacked: dict | None = None
+    reorder = True  # False where the copies would not fit (see limit_reordered_copies)
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.uses_onednn():
@@ -27,7 +32,8 @@ class Linear(nn.Linear):
 
     def uses_onednn(self) -> bool:
         w = self.weight
-        return w.device.type == "cpu" and w.dtype in _onednn_dtypes() and not torch.is_grad_enabled()
+        cpu_inference = w.device.type == "cpu" and not torch.is_grad_enabled()
+        return self.reorder and cpu_inference and w.dtype in _onednn_dtypes()
 
     def prepacked(self, part: int, parts: int) -> tuple[Tensor, Tensor | None]:
         """Rows part/parts of (weight, bias), the weight in oneDNN's layout."""
@@ -59,6 +65,23 @@ def onednn_linear(
     if multiply is not None:
         return torch.ops.mkldnn._linear_pointwise.binary(x, multiply, weight, bias, "mul")
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, activation, [], "")
+
+
+def limit_reordered_copies(engine: nn.Module) -> bool:
+    """Allow the reordered copies only if they take at most a quarter of the memory free now: a large
+    model on a small machine keeps PyTorch's default product rather than its weights twice."""
+    layers = [m for m in engine.modules() if isinstance(m, Linear)]
+    size = sum(m.weight.numel() * m.weight.element_size() for m in layers)
+    allowed = size <= free_memory_bytes() / 4
+    for layer in layers:
+        layer.reorder = allowed
+    if not allowed:
+        logger.info(f"Matrix weights of {size / 2**30:.1f} GiB: no reordered copies for oneDNN (memory).")
+    return allowed
+
+
+def free_memory_bytes() -> int:
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 @functools.cache

@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from st_fastbackend.engine.attention import Kernel, pick_kernel
 from st_fastbackend.engine.batch import PackedBatch
+from st_fastbackend.engine.layers import limit_reordered_copies
 from st_fastbackend.engine.registry import build_engine
 from st_fastbackend.engine.spec import FP16_OVERFLOWS, UnsupportedModelError
 from st_fastbackend.engine.weights import INDEX_FILE, checkpoint_files, load_weights
@@ -67,6 +68,7 @@ class PackedTransformer(InputModule):
             raise UnsupportedModelError(f"model_kwargs {sorted(unknown)}")
         self.model = build_engine(config)
         load_weights(self.model, self.folder, torch.device("cpu"), _resolve_dtype(model_kwargs, config))
+        limit_reordered_copies(self.model)
         self.config = config
 
         # As sentence-transformers' Transformer: max_seq_length becomes the tokenizer's model_max_length,
