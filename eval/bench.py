@@ -90,10 +90,10 @@ def gemm_ceiling(dtype: torch.dtype, device: str, n: int = 2048, repeats: int = 
     for product in products:
         product()
         for _ in range(repeats):
-            _sync(device)
+            sync(device)
             start = time.perf_counter()
             product()
-            _sync(device)
+            sync(device)
             best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best / 1e9
 
@@ -146,7 +146,7 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _sync(device: str) -> None:
+def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
 
@@ -161,10 +161,10 @@ def run_case(systems: dict, texts: list[str], batch_size: int, rounds: int, devi
         results[name] = {"embeddings": embeddings.astype(np.float32), "peak_extra_bytes": memory.extra, "times": []}
     for _ in range(rounds):
         for name, model in systems.items():
-            _sync(device)
+            sync(device)
             start = time.perf_counter()
             model.encode(texts, batch_size=batch_size)
-            _sync(device)
+            sync(device)
             results[name]["times"].append(time.perf_counter() - start)
     return results
 

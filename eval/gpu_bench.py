@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from bench import flops, gemm_ceiling
+from bench import flops, gemm_ceiling, sync
 from sentence_transformers import SentenceTransformer as PlainSentenceTransformer
 from sentence_transformers.sentence_transformer.modules import Normalize, Pooling
 from transformers import AutoTokenizer, MistralConfig, MistralModel
@@ -51,11 +51,6 @@ MODULES = [
 
 def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def build_folder(folder: Path, tokenizer_dir: Path, device: str, **overrides) -> Path:

@@ -67,7 +67,7 @@ def onednn_linear(
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, activation, [], "")
 
 
-def limit_reordered_copies(engine: nn.Module) -> bool:
+def limit_reordered_copies(engine: nn.Module) -> None:
     """Allow the reordered copies only if they take at most a quarter of the memory free now: a large
     model on a small machine keeps PyTorch's default product rather than its weights twice."""
     layers = [m for m in engine.modules() if isinstance(m, Linear)]
@@ -77,7 +77,6 @@ def limit_reordered_copies(engine: nn.Module) -> bool:
         layer.reorder = allowed
     if not allowed:
         logger.info(f"Matrix weights of {size / 2**30:.1f} GiB: no reordered copies for oneDNN (memory).")
-    return allowed
 
 
 def free_memory_bytes() -> int:
