@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import load_both
+from transformers.activations import ACT2FN
 
 from st_fastbackend.engine import layers
 from st_fastbackend.engine.decoder import MLP
@@ -52,6 +53,17 @@ def test_fused_gated_mlp_matches_the_unfused_one(bias):
     with torch.inference_mode():
         assert mlp.gate_up_proj.uses_onednn()
         torch.testing.assert_close(mlp(x), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(layers.ONEDNN_ACTIVATIONS))
+def test_activations_inside_the_product_match_transformers(name):
+    """Each activation oneDNN applies inside the product computes transformers' ACT2FN[name]."""
+    torch.manual_seed(0)
+    layer, x = Linear(64, 96), 3 * torch.randn(41, 64)
+    expected = ACT2FN[name](F.linear(x, layer.weight, layer.bias))
+    with torch.inference_mode():
+        fused = layers.onednn_linear(x, *layer.prepacked(0, 1), activation=name)
+    torch.testing.assert_close(fused, expected, atol=1e-6, rtol=1e-6)
 
 
 def test_no_reordered_copies_where_memory_is_short(st_model, monkeypatch):

@@ -10,7 +10,7 @@ from transformers.activations import ACT2FN
 
 from st_fastbackend.engine.attention import Kernel, varlen_attention
 from st_fastbackend.engine.batch import PackedBatch
-from st_fastbackend.engine.layers import Linear
+from st_fastbackend.engine.layers import ONEDNN_ACTIVATIONS, Linear, onednn_linear
 from st_fastbackend.engine.spec import EncoderSpec
 
 ENCODER_FUSED = {"query": ("qkv", 0), "key": ("qkv", 1), "value": ("qkv", 2)}
@@ -67,9 +67,12 @@ class Intermediate(nn.Module):
     def __init__(self, spec: EncoderSpec) -> None:
         super().__init__()
         self.dense = Linear(spec.hidden_size, spec.intermediate_size)
+        self.hidden_act = spec.hidden_act
         self.act = ACT2FN[spec.hidden_act]
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.hidden_act in ONEDNN_ACTIVATIONS and self.dense.uses_onednn():  # inside the product
+            return onednn_linear(x, *self.dense.prepacked(0, 1), activation=self.hidden_act)
         return self.act(self.dense(x))
 
 

@@ -57,14 +57,31 @@ class Linear(nn.Linear):
         return {k: v for k, v in self.__dict__.items() if k != "_prepacked"}
 
 
+# transformers' activation name (config.hidden_act) -> the oneDNN post-op computing the same function
+# (attribute, algorithm); equal to transformers' ACT2FN within 5e-7 (tests/test_layers.py).
+ONEDNN_ACTIVATIONS = {
+    "gelu": ("gelu", "none"),  # erf
+    "gelu_new": ("gelu", "tanh"),
+    "gelu_pytorch_tanh": ("gelu", "tanh"),
+    "gelu_fast": ("gelu", "tanh"),
+    "relu": ("relu", ""),
+    "silu": ("swish", ""),
+    "swish": ("swish", ""),
+    "tanh": ("tanh", ""),
+    "sigmoid": ("sigmoid", ""),
+}
+
+
 def onednn_linear(
-    x: Tensor, weight: Tensor, bias: Tensor | None, activation: str = "none", multiply: Tensor | None = None
+    x: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None = None, multiply: Tensor | None = None
 ) -> Tensor:
-    """x @ weight.T + bias through oneDNN (weight from Linear.prepacked), then "swish" (SiLU) or a
-    product with `multiply`, inside the same kernel."""
+    """x @ weight.T + bias through oneDNN (weight from Linear.prepacked), then an activation (a key of
+    ONEDNN_ACTIVATIONS) or a product with `multiply`, inside the same kernel: no second pass over
+    the output."""
     if multiply is not None:
         return torch.ops.mkldnn._linear_pointwise.binary(x, multiply, weight, bias, "mul")
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, activation, [], "")
+    attr, algorithm = ONEDNN_ACTIVATIONS[activation] if activation is not None else ("none", "")
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
 
 
 def limit_reordered_copies(engine: nn.Module) -> None:
