@@ -2,7 +2,8 @@
 
 One process, alternating rounds (plain, fast, plain, fast, ...) on the same model and texts; prints
 tokens/s (median of rounds), the ratio, max |diff| (fp32) or worst 1 - cosine to the fp32 reference
-(bf16), achieved GFLOP/s against a GEMM ceiling measured in the same run, and peak extra memory.
+(bf16, and bf16mm: an fp32 model whose matrix products run in bf16), achieved GFLOP/s against a GEMM
+ceiling measured in the same run, and peak extra memory.
 
     python eval/bench.py                                  # every model, workload and dtype
     python eval/bench.py --models minilm --workloads sts --dtypes fp32 --rounds 3
@@ -36,7 +37,14 @@ from st_fastbackend.engine.decoder import Decoder
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA_DIR = REPO.parent / "shared" / "data"
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Precision levels: the model's dtype and the dtype its matrix products run in. "bf16mm" is an fp32
+# model with PyTorch's torch.backends.mkldnn.matmul.fp32_precision = "bf16" (what
+# torch.set_float32_matmul_precision("medium") sets), applied to plain and fast alike.
+PRECISIONS = {
+    "fp32": (torch.float32, torch.float32),
+    "bf16": (torch.bfloat16, torch.bfloat16),
+    "bf16mm": (torch.float32, torch.bfloat16),
+}
 # The small Mistral of the issue: hidden 512, 4 layers, 8 heads / 2 key-value heads, intermediate 1408.
 SMALL_MISTRAL = dict(
     model_type="mistral", hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
@@ -179,7 +187,7 @@ def main() -> None:
     parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR)
     parser.add_argument("--models", nargs="+", default=["mistral", "minilm"], choices=["mistral", "minilm"])
     parser.add_argument("--workloads", nargs="+", default=["paragraphs", "sts", "long"])
-    parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
+    parser.add_argument("--dtypes", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS))
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -198,7 +206,7 @@ def main() -> None:
         "minilm": lambda: str(get_model_path()),
     }
     texts_by_workload = workloads(args.data_dir)
-    ceilings = {name: gemm_ceiling(DTYPES[name], args.device) for name in args.dtypes}
+    ceilings = {name: gemm_ceiling(PRECISIONS[name][1], args.device) for name in args.dtypes}
     print(f"GEMM ceiling on {args.device}: " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in ceilings.items()))
 
     rows = []
@@ -206,7 +214,10 @@ def main() -> None:
         path = paths[model_name]()
         references: dict[str, np.ndarray] = {}
         for dtype_name in args.dtypes:
-            kwargs = dict(device=args.device, model_kwargs={"dtype": DTYPES[dtype_name]})
+            dtype, product_dtype = PRECISIONS[dtype_name]
+            bf16_products = dtype == torch.float32 and product_dtype == torch.bfloat16
+            torch.backends.mkldnn.matmul.fp32_precision = "bf16" if bf16_products else "none"
+            kwargs = dict(device=args.device, model_kwargs={"dtype": dtype})
             systems = {"plain": PlainSentenceTransformer(path, **kwargs),
                        "fast": SentenceTransformer(path, backend="fast", **kwargs)}  # fmt: skip
             for workload in args.workloads:
@@ -217,7 +228,8 @@ def main() -> None:
                 tokens = sum(len(ids) for ids in token_ids)
                 results = run_case(systems, texts, args.batch_size, args.rounds, args.device)
                 for peer, python in peers.items():
-                    results[peer] = run_peer(peer, python, path, dtype_name, texts, args.batch_size, args.rounds)
+                    peer_dtype = "fp32" if dtype == torch.float32 else "bf16"  # peers pick their own products
+                    results[peer] = run_peer(peer, python, path, peer_dtype, texts, args.batch_size, args.rounds)
                 if dtype_name == "fp32":
                     references[workload] = results["plain"]["embeddings"]
                 row = {"model": model_name, "dtype": dtype_name, "workload": workload, "texts": len(texts),

@@ -10,6 +10,9 @@ import time
 import numpy as np
 import torch
 
+MATMUL_PRECISIONS = ("highest", "high", "medium")
+MATMUL_HELP = "torch.set_float32_matmul_precision; 'medium' lets an fp32 model multiply in bf16 on a CPU"
+
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="st-fastbackend", description=__doc__)
@@ -21,6 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     encode.add_argument("--backend", default="fast", choices=["fast", "torch", "onnx", "openvino"])
     encode.add_argument("--device", default=None)
     encode.add_argument("--dtype", default=None, help="e.g. float32, bfloat16, float16, auto")
+    encode.add_argument("--matmul-precision", default=None, choices=MATMUL_PRECISIONS, help=MATMUL_HELP)
     encode.add_argument("--batch-size", type=int, default=32)
     encode.add_argument("--prompt-name", default=None)
     encode.add_argument("--normalize", action="store_true")
@@ -31,12 +35,15 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--served-model-name", default=None, help="default: the model argument")
     serve.add_argument("--device", default=None)
     serve.add_argument("--dtype", default=None, help="e.g. float32, bfloat16, float16, auto")
+    serve.add_argument("--matmul-precision", default=None, choices=MATMUL_PRECISIONS, help=MATMUL_HELP)
     serve.add_argument("--max-batch-tokens", type=int, default=None, help="tokens per packed batch")
     serve.add_argument("--max-batch-size", type=int, default=256, help="inputs per request and per batch")
     serve.add_argument("--max-input-tokens", type=int, default=None, help="default: the model's max_seq_length")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     serve.add_argument("--no-dynamic-batching", action="store_true", help="one request per forward pass")
     args = parser.parse_args(argv)
+    if args.matmul_precision:
+        torch.set_float32_matmul_precision(args.matmul_precision)
     {"encode": _encode, "serve": _serve}[args.command](args)
 
 

@@ -7,7 +7,12 @@ from helpers import DATA_DIR, load_both, minilm_path, needs_data
 from transformers import AutoConfig
 
 from st_fastbackend import SentenceTransformer
+from st_fastbackend.engine.layers import _onednn_dtypes
 from st_fastbackend.modules.transformer import _resolve_dtype
+
+
+def bf16_products_allowed_here() -> bool:
+    return torch.bfloat16 in _onednn_dtypes()
 
 
 def one_minus_cosine(a, b) -> np.ndarray:
@@ -58,3 +63,44 @@ def test_fp16_for_a_family_that_overflows_only_when_asked_by_name(st_model, capl
     assert _resolve_dtype({"dtype": "auto"}, config) == torch.float16
     config.dtype = torch.bfloat16
     assert _resolve_dtype({"dtype": "auto"}, config) == torch.bfloat16
+
+
+@pytest.fixture
+def bf16_products():
+    """PyTorch's setting that lets fp32 products run in bf16, restored afterwards."""
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+    yield
+    torch.backends.mkldnn.matmul.fp32_precision = before
+
+
+def assert_bf16_products_closer_than_bf16(folder, texts):
+    """An fp32 model whose products run in bf16 keeps its activations in fp32: its error against fp32
+    is at most half of plain sentence-transformers' in bf16 end to end."""
+    plain32, fast32 = load_both(folder)
+    plain16, _ = load_both(folder, model_kwargs={"dtype": torch.bfloat16})
+    reference = plain32.encode(texts)
+    bf16_error = one_minus_cosine(plain16.encode(texts).astype(np.float32), reference).max()
+    torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+    assert fast32[0].product_dtype == torch.bfloat16
+    mixed = fast32.encode(texts)
+    error = one_minus_cosine(mixed, reference)
+    assert mixed.dtype == np.float32 and 0 < error.max() <= bf16_error / 2
+    torch.backends.mkldnn.matmul.fp32_precision = "none"  # PyTorch's default: exact fp32 again
+    assert np.abs(fast32.encode(texts) - reference).max() <= 1e-5
+
+
+@pytest.mark.skipif(not bf16_products_allowed_here(), reason="oneDNN runs bf16 natively on x86-64 with AVX-512 only")
+@pytest.mark.parametrize("family", ["mistral", "bert"])
+def test_bf16_products_in_an_fp32_model(st_model, texts, family, bf16_products):
+    assert_bf16_products_closer_than_bf16(st_model(family, pooling_mode="mean"), [t for t in texts if t])
+
+
+@needs_data
+@pytest.mark.skipif(not bf16_products_allowed_here(), reason="oneDNN runs bf16 natively on x86-64 with AVX-512 only")
+def test_bf16_products_in_minilm_on_real_sentences(bf16_products):
+    import csv
+
+    with open(DATA_DIR / "stsb" / "stsb-dev.tsv", encoding="utf8") as f:
+        rows = list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))[:150]
+    assert_bf16_products_closer_than_bf16(minilm_path(), [r["sentence1"] for r in rows])

@@ -1,7 +1,10 @@
 import numpy as np
+import pytest
+import torch
 
 from st_fastbackend import SentenceTransformer
 from st_fastbackend.cli import main
+from st_fastbackend.engine.layers import _onednn_dtypes
 
 
 def test_encode_command_writes_the_embeddings(st_model, texts, tmp_path):
@@ -11,3 +14,19 @@ def test_encode_command_writes_the_embeddings(st_model, texts, tmp_path):
     main(["encode", str(folder), "--input", str(tmp_path / "in.txt"), "--output", str(tmp_path / "out.npy")])
     expected = SentenceTransformer(str(folder), backend="fast", device="cpu").encode(lines)
     np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), expected)
+
+
+@pytest.mark.skipif(torch.bfloat16 not in _onednn_dtypes(), reason="oneDNN runs bf16 natively with AVX-512 only")
+def test_encode_command_with_bf16_products(st_model, texts, tmp_path):
+    """--matmul-precision medium: the fp32 model multiplies in bf16, close to but not equal to fp32."""
+    folder = st_model("bert", pooling_mode="mean")
+    lines = [t for t in texts if t]
+    (tmp_path / "in.txt").write_text("\n".join(lines) + "\n")
+    exact = SentenceTransformer(str(folder), backend="fast", device="cpu").encode(lines)
+    try:
+        main(["encode", str(folder), "--input", str(tmp_path / "in.txt"), "--output", str(tmp_path / "out.npy"),
+              "--matmul-precision", "medium"])  # fmt: skip
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    got = np.load(tmp_path / "out.npy")
+    assert got.dtype == np.float32 and 1e-6 < np.abs(got - exact).max() < 1e-2

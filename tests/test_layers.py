@@ -66,6 +66,27 @@ def test_activations_inside_the_product_match_transformers(name):
     torch.testing.assert_close(fused, expected, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.skipif(torch.bfloat16 not in _onednn_dtypes(), reason="oneDNN runs bf16 natively with AVX-512 only")
+def test_fp32_layer_multiplies_in_bf16_where_pytorch_allows_it():
+    """torch.backends.mkldnn.matmul.fp32_precision = "bf16": the product of the bf16-rounded input and
+    weight (fp32 sums), returned in fp32; back to the exact fp32 product when the setting is reset."""
+    torch.manual_seed(0)
+    layer, x = Linear(64, 96), torch.randn(41, 64)
+    rounded = F.linear(x.bfloat16().float(), layer.weight.bfloat16().float(), layer.bias.bfloat16().float())
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    try:
+        torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+        with torch.inference_mode():
+            y = layer(x)
+        assert y.dtype == torch.float32 and layer.product_dtype() == torch.bfloat16
+        torch.testing.assert_close(y, rounded, atol=1e-6, rtol=2**-8)  # at most the sums' rounding to bf16
+        assert (y - F.linear(x, layer.weight, layer.bias)).abs().max() > 1e-3  # not the fp32 product
+    finally:
+        torch.backends.mkldnn.matmul.fp32_precision = before
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+
+
 def test_no_reordered_copies_where_memory_is_short(st_model, monkeypatch):
     """The copies would take more than a quarter of the free memory: PyTorch's product, same numbers."""
     monkeypatch.setattr(layers, "free_memory_bytes", lambda: 1024)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from st_fastbackend.engine.batch import PackedBatch
+from st_fastbackend.engine.layers import bf16_products_allowed
 
 Kernel = Literal["flash_attn", "torch_varlen", "sdpa_loop"]
 KERNELS: tuple[Kernel, ...] = ("flash_attn", "torch_varlen", "sdpa_loop")
@@ -34,6 +35,10 @@ def varlen_attention(
     q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch, *, causal: bool, window: int | None, kernel: Kernel
 ) -> Tensor:
     if kernel == "sdpa_loop":
+        if q.dtype == torch.float32 and bf16_products_allowed():
+            # An fp32 model whose products run in bf16 (engine/layers.Linear): attention's two products
+            # too, through the bf16 kernel (PyTorch's fp32 one slows down 4x under that setting here).
+            return _sdpa_loop(q.bfloat16(), k.bfloat16(), v.bfloat16(), batch, causal=causal, window=window).float()
         return _sdpa_loop(q, k, v, batch, causal=causal, window=window)
     left = window - 1 if window is not None else -1  # both CUDA kernels count the window without the query
     window_size = (left, 0 if causal else -1)

@@ -57,6 +57,7 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.gate_up_proj.uses_onednn():  # SiLU and the product inside the two halves' matrix products
+            x = x.to(self.gate_up_proj.product_dtype())
             gate = onednn_linear(x, *self.gate_up_proj.prepacked(0, 2), activation="silu")
             return self.down_proj(onednn_linear(x, *self.gate_up_proj.prepacked(1, 2), multiply=gate))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

@@ -72,6 +72,7 @@ class Intermediate(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.hidden_act in ONEDNN_ACTIVATIONS and self.dense.uses_onednn():  # inside the product
+            x = x.to(self.dense.product_dtype())  # the next product takes it in that dtype too
             return onednn_linear(x, *self.dense.prepacked(0, 1), activation=self.hidden_act)
         return self.act(self.dense(x))
 

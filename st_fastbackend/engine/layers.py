@@ -20,7 +20,11 @@ class Linear(nn.Linear):
     once into oneDNN's blocked layout. Measured on this project's CPU: fp32 matrix products 10-40%
     faster than PyTorch's default, and activations fused into the product (eval/RESULTS.md). The dense
     weight stays the parameter (state_dict, .to(device)); the reordered copies are rebuilt whenever
-    the weight changes, and cost as much memory again as the weights they copy."""
+    the weight changes, and cost as much memory again as the weights they copy.
+
+    An fp32 layer multiplies in bf16 (inputs and weight rounded to bf16, fp32 sums, fp32 result) where
+    PyTorch's setting allows fp32 products to: torch.set_float32_matmul_precision("medium") or
+    torch.backends.mkldnn.matmul.fp32_precision = "bf16"; everything between products stays fp32."""
 
     _prepacked: dict | None = None
     reorder = True  # False where the copies would not fit (see limit_reordered_copies)
@@ -28,23 +32,29 @@ class Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         if not self.uses_onednn():
             return F.linear(x, self.weight, self.bias)
-        return onednn_linear(x, *self.prepacked(0, 1))
+        return onednn_linear(x.to(self.product_dtype()), *self.prepacked(0, 1)).to(self.weight.dtype)
 
     def uses_onednn(self) -> bool:
         w = self.weight
         cpu_inference = w.device.type == "cpu" and not torch.is_grad_enabled()
         return self.reorder and cpu_inference and w.dtype in _onednn_dtypes()
 
+    def product_dtype(self) -> torch.dtype:
+        """The dtype the oneDNN product runs in: the weight's, or bf16 for fp32 where PyTorch allows it."""
+        return torch.bfloat16 if self.weight.dtype == torch.float32 and bf16_products_allowed() else self.weight.dtype
+
     def prepacked(self, part: int, parts: int) -> tuple[Tensor, Tensor | None]:
-        """Rows part/parts of (weight, bias), the weight in oneDNN's layout."""
+        """Rows part/parts of (weight, bias) in product_dtype(), the weight in oneDNN's layout."""
         key = (self.weight.data_ptr(), self.weight._version)
         if self._prepacked is None or self._prepacked["key"] != key:
             self._prepacked = {"key": key}
-        if (part, parts) not in self._prepacked:
-            weight = self.weight.detach().chunk(parts)[part].contiguous()
-            bias = None if self.bias is None else self.bias.detach().chunk(parts)[part].contiguous()
-            self._prepacked[part, parts] = (torch.ops.mkldnn._reorder_linear_weight(weight, _PREPACK_ROWS), bias)
-        return self._prepacked[part, parts]
+        dtype = self.product_dtype()
+        if (part, parts, dtype) not in self._prepacked:
+            weight = self.weight.detach().chunk(parts)[part].to(dtype).contiguous()
+            bias = None if self.bias is None else self.bias.detach().chunk(parts)[part].to(dtype).contiguous()
+            reordered = torch.ops.mkldnn._reorder_linear_weight(weight, _PREPACK_ROWS)
+            self._prepacked[part, parts, dtype] = (reordered, bias)
+        return self._prepacked[part, parts, dtype]
 
     def _apply(self, fn, *args, **kwargs):
         """.to(device), .to(dtype), .half(): the reordered copies belong to the old weight."""
@@ -55,6 +65,12 @@ class Linear(nn.Linear):
         """Pickled (multi-process pools) and copied without the reordered copies: oneDNN's opaque
         tensors have no storage to pickle; they are rebuilt at the first forward."""
         return {k: v for k, v in self.__dict__.items() if k != "_prepacked"}
+
+
+def bf16_products_allowed() -> bool:
+    """PyTorch's own switch for fp32 products in bf16 on oneDNN (set by set_float32_matmul_precision
+    ("medium")), honoured where oneDNN runs bf16 natively."""
+    return torch.backends.mkldnn.matmul.fp32_precision == "bf16" and torch.bfloat16 in _onednn_dtypes()
 
 
 # transformers' activation name (config.hidden_act) -> the oneDNN post-op computing the same function

@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from st_fastbackend.engine.attention import Kernel, pick_kernel
 from st_fastbackend.engine.batch import PackedBatch
-from st_fastbackend.engine.layers import limit_reordered_copies
+from st_fastbackend.engine.layers import Linear, limit_reordered_copies
 from st_fastbackend.engine.registry import build_engine
 from st_fastbackend.engine.spec import FP16_OVERFLOWS, UnsupportedModelError
 from st_fastbackend.engine.weights import INDEX_FILE, checkpoint_files, load_weights
@@ -85,7 +85,7 @@ class PackedTransformer(InputModule):
             _lowercase_input(self.tokenizer)
         self.add_bos, self.add_eos = _missing_special_tokens(self.folder, self.tokenizer)
         self._prompt_lengths: dict[str, int] = {}
-        self._kernel_in_use: Kernel | None = None  # logged when it changes
+        self._in_use: tuple[Kernel, torch.dtype] | None = None  # attention kernel, product dtype: logged
 
     # -- loading -------------------------------------------------------------------------------
 
@@ -140,6 +140,14 @@ class PackedTransformer(InputModule):
     @property
     def attention_kernel(self) -> Kernel:
         return pick_kernel(next(self.model.parameters()).device)
+
+    @property
+    def product_dtype(self) -> torch.dtype:
+        """The dtype inference runs the matrix products in: the model's, or bf16 for an fp32 model on a
+        CPU where PyTorch's setting allows it (torch.set_float32_matmul_precision("medium"))."""
+        layer = next(m for m in self.model.modules() if isinstance(m, Linear))
+        with torch.inference_mode():
+            return layer.product_dtype() if layer.uses_onednn() else layer.weight.dtype
 
     def get_embedding_dimension(self) -> int:
         return self.config.hidden_size
@@ -200,9 +208,10 @@ class PackedTransformer(InputModule):
 
     def forward(self, features: dict[str, Any], **kwargs) -> dict[str, Any]:
         kernel = self.attention_kernel
-        if kernel != self._kernel_in_use:
-            logger.info(f"Attention kernel: {kernel}")
-            self._kernel_in_use = kernel
+        in_use = (kernel, self.product_dtype)
+        if in_use != self._in_use:
+            logger.info(f"Attention kernel: {kernel}; matrix products in {in_use[1]}")
+            self._in_use = in_use
         features["token_embeddings"] = self.model(features["packed"], kernel)  # [T, hidden]
         return features
 
@@ -222,7 +231,7 @@ class PackedTransformer(InputModule):
     def __repr__(self) -> str:
         return (
             f"PackedTransformer({self.get_config_dict()}, model_type={self.config.model_type!r}, "
-            f"attention_kernel={self.attention_kernel!r})"
+            f"attention_kernel={self.attention_kernel!r}, product_dtype={self.product_dtype})"
         )
 
 
