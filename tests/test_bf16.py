@@ -66,10 +66,9 @@ def test_fp16_for_a_family_that_overflows_only_when_asked_by_name(st_model, capl
 
 
 @pytest.fixture
-def bf16_products():
-    """PyTorch's setting that lets fp32 products run in bf16, restored afterwards."""
+def restore_matmul_precision():
+    """PyTorch's setting for fp32 products (process-wide) as it was before the test."""
     before = torch.backends.mkldnn.matmul.fp32_precision
-    torch.backends.mkldnn.matmul.fp32_precision = "bf16"
     yield
     torch.backends.mkldnn.matmul.fp32_precision = before
 
@@ -92,13 +91,13 @@ def assert_bf16_products_closer_than_bf16(folder, texts):
 
 @pytest.mark.skipif(not bf16_products_allowed_here(), reason="oneDNN runs bf16 natively on x86-64 with AVX-512 only")
 @pytest.mark.parametrize("family", ["mistral", "bert"])
-def test_bf16_products_in_an_fp32_model(st_model, texts, family, bf16_products):
+def test_bf16_products_in_an_fp32_model(st_model, texts, family, restore_matmul_precision):
     assert_bf16_products_closer_than_bf16(st_model(family, pooling_mode="mean"), [t for t in texts if t])
 
 
 @needs_data
 @pytest.mark.skipif(not bf16_products_allowed_here(), reason="oneDNN runs bf16 natively on x86-64 with AVX-512 only")
-def test_bf16_products_in_minilm_on_real_sentences(bf16_products):
+def test_bf16_products_in_minilm_on_real_sentences(restore_matmul_precision):
     import csv
 
     with open(DATA_DIR / "stsb" / "stsb-dev.tsv", encoding="utf8") as f:
