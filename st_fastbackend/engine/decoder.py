@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from st_fastbackend.engine.attention import Kernel, varlen_attention
 from st_fastbackend.engine.batch import PackedBatch
-from st_fastbackend.engine.layers import Linear, RMSNorm, Rotary, apply_rotary, onednn_linear
+from st_fastbackend.engine.layers import Linear, RMSNorm, Rotary, apply_rotary
 from st_fastbackend.engine.spec import DecoderSpec
 
 # Checkpoint tensor -> (our fused tensor, slot): q/k/v and gate/up are each one matrix product.
@@ -57,9 +57,9 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.gate_up_proj.uses_onednn():  # SiLU and the product inside the two halves' matrix products
-            x = x.to(self.gate_up_proj.product_dtype())
-            gate = onednn_linear(x, *self.gate_up_proj.prepacked(0, 2), activation="silu")
-            return self.down_proj(onednn_linear(x, *self.gate_up_proj.prepacked(1, 2), multiply=gate))
+            x = x.to(self.gate_up_proj.product_dtype())  # once, for both halves
+            gate = self.gate_up_proj.product(x, 0, 2, activation="silu")
+            return self.down_proj(self.gate_up_proj.product(x, 1, 2, multiply=gate))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 

@@ -10,7 +10,7 @@ from transformers.activations import ACT2FN
 
 from st_fastbackend.engine.attention import Kernel, varlen_attention
 from st_fastbackend.engine.batch import PackedBatch
-from st_fastbackend.engine.layers import ONEDNN_ACTIVATIONS, Linear, onednn_linear
+from st_fastbackend.engine.layers import ONEDNN_ACTIVATIONS, Linear
 from st_fastbackend.engine.spec import EncoderSpec
 
 ENCODER_FUSED = {"query": ("qkv", 0), "key": ("qkv", 1), "value": ("qkv", 2)}
@@ -72,8 +72,7 @@ class Intermediate(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.hidden_act in ONEDNN_ACTIVATIONS and self.dense.uses_onednn():  # inside the product
-            x = x.to(self.dense.product_dtype())  # the next product takes it in that dtype too
-            return onednn_linear(x, *self.dense.prepacked(0, 1), activation=self.hidden_act)
+            return self.dense.product(x, activation=self.hidden_act)  # kept in the dtype the next product takes
         return self.act(self.dense(x))
 
 

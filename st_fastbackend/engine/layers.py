@@ -32,7 +32,21 @@ class Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         if not self.uses_onednn():
             return F.linear(x, self.weight, self.bias)
-        return onednn_linear(x.to(self.product_dtype()), *self.prepacked(0, 1)).to(self.weight.dtype)
+        return self.product(x).to(self.weight.dtype)
+
+    def product(
+        self, x: Tensor, part: int = 0, parts: int = 1, activation: str | None = None, multiply: Tensor | None = None
+    ) -> Tensor:
+        """x @ weight.T + bias through oneDNN, in product_dtype() (x is cast to it, and so is the result),
+        for rows part/parts of the weight; then an activation (a key of ONEDNN_ACTIVATIONS) or a product
+        with `multiply`, inside the same kernel: no second pass over the output."""
+        dtype = self.product_dtype()
+        weight, bias = self.prepacked(part, parts, dtype)
+        x = x.to(dtype)
+        if multiply is not None:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, multiply, weight, bias, "mul")
+        attr, algorithm = ONEDNN_ACTIVATIONS[activation] if activation is not None else ("none", "")
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
 
     def uses_onednn(self) -> bool:
         w = self.weight
@@ -43,12 +57,11 @@ class Linear(nn.Linear):
         """The dtype the oneDNN product runs in: the weight's, or bf16 for fp32 where PyTorch allows it."""
         return torch.bfloat16 if self.weight.dtype == torch.float32 and bf16_products_allowed() else self.weight.dtype
 
-    def prepacked(self, part: int, parts: int) -> tuple[Tensor, Tensor | None]:
-        """Rows part/parts of (weight, bias) in product_dtype(), the weight in oneDNN's layout."""
+    def prepacked(self, part: int, parts: int, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+        """Rows part/parts of (weight, bias) in `dtype`, the weight in oneDNN's layout; made once."""
         key = (self.weight.data_ptr(), self.weight._version)
         if self._prepacked is None or self._prepacked["key"] != key:
             self._prepacked = {"key": key}
-        dtype = self.product_dtype()
         if (part, parts, dtype) not in self._prepacked:
             weight = self.weight.detach().chunk(parts)[part].to(dtype).contiguous()
             bias = None if self.bias is None else self.bias.detach().chunk(parts)[part].to(dtype).contiguous()
@@ -86,18 +99,6 @@ ONEDNN_ACTIVATIONS = {
     "tanh": ("tanh", ""),
     "sigmoid": ("sigmoid", ""),
 }
-
-
-def onednn_linear(
-    x: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None = None, multiply: Tensor | None = None
-) -> Tensor:
-    """x @ weight.T + bias through oneDNN (weight from Linear.prepacked), then an activation (a key of
-    ONEDNN_ACTIVATIONS) or a product with `multiply`, inside the same kernel: no second pass over
-    the output."""
-    if multiply is not None:
-        return torch.ops.mkldnn._linear_pointwise.binary(x, multiply, weight, bias, "mul")
-    attr, algorithm = ONEDNN_ACTIVATIONS[activation] if activation is not None else ("none", "")
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
 
 
 def limit_reordered_copies(engine: nn.Module) -> None:
