@@ -17,6 +17,7 @@ import sentence_transformers
 import torch
 from sentence_transformers.base.modules import Transformer
 from sentence_transformers.sentence_transformer.modules import Pooling
+from sentence_transformers.util import get_device_name
 from torch import Tensor
 from tqdm.autonotebook import tqdm
 
@@ -40,6 +41,8 @@ class SentenceTransformer(sentence_transformers.SentenceTransformer):
                 f'backend="fast" needs sentence-transformers >= 6.2 (its encode() loop is what we replace); '
                 f"found {sentence_transformers.__version__}."
             )
+        if backend == "fast":
+            kwargs = _load_on_device(kwargs)
         super().__init__(model_name_or_path, backend=backend, **kwargs)
         if backend == "fast":
             self._check_fast_pipeline()
@@ -218,6 +221,16 @@ def cuda_token_budget(config, dtype: torch.dtype, device: torch.device, fraction
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # cached by PyTorch
     per_token = 4 * (config.hidden_size + config.intermediate_size) * dtype.itemsize
     return max(DEFAULT_MAX_TOKENS["cpu"], int(free * fraction) // per_token)
+
+
+def _load_on_device(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The fast backend reads the checkpoint tensor by tensor straight onto the model's device, in its
+    dtype: `device_map` names that device, as sentence-transformers' own option to load a backbone
+    directly on one device. Without it a 7B model would pass through host memory first."""
+    model_kwargs = dict(kwargs.get("model_kwargs") or {})
+    device = kwargs.get("device") or model_kwargs.get("device_map") or get_device_name()
+    model_kwargs.setdefault("device_map", device)
+    return {**kwargs, "device": device, "model_kwargs": model_kwargs}
 
 
 def _rows(out: dict[str, Any], output_value: str | None, truncate_dim, normalize: bool, to_cpu: bool) -> list | Tensor:

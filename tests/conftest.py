@@ -6,12 +6,23 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import itertools  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import helpers  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from builders import build_st_model, make_texts  # noqa: E402
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 _counter = itertools.count()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--device", default="cpu", help="the device the models under test run on: cpu (default) or cuda")
+
+
+def pytest_configure(config):
+    helpers.DEVICE = config.getoption("--device")
+    if helpers.DEVICE != "cpu" and not torch.cuda.is_available():
+        raise pytest.UsageError(f"--device {helpers.DEVICE}: PyTorch sees no GPU here.")
 
 
 @pytest.fixture(scope="session")

@@ -12,11 +12,13 @@ from sentence_transformers import SentenceTransformer as PlainSentenceTransforme
 from st_fastbackend import SentenceTransformer
 
 TOLERANCE = 1e-5  # max abs difference on unit-norm fp32 embeddings (the correctness contract)
+# The device the suite's models run on: `pytest --device cuda` (conftest.py) runs the same tests on a GPU.
+DEVICE = "cpu"
 
 
 def load_both(folder, **kwargs):
-    plain = PlainSentenceTransformer(str(folder), device="cpu", **kwargs)
-    fast = SentenceTransformer(str(folder), backend="fast", device="cpu", **kwargs)
+    plain = PlainSentenceTransformer(str(folder), device=DEVICE, **kwargs)
+    fast = SentenceTransformer(str(folder), backend="fast", device=DEVICE, **kwargs)
     return plain, fast
 
 

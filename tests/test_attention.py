@@ -1,16 +1,24 @@
-"""The CPU kernel against dense attention with an explicit block-diagonal mask."""
+"""The attention kernels against dense attention with an explicit block-diagonal mask: the CPU loop, the
+CUDA kernels' CPU stand-ins (exact signatures of each supported release), and the real CUDA kernels
+under `pytest --device cuda`."""
 
 import math
 
+import kernel_standins
 import pytest
 import torch
+from helpers import DEVICE
 
-from st_fastbackend.engine.attention import pick_kernel, varlen_attention
+from st_fastbackend.engine.attention import varlen_attention
 from st_fastbackend.engine.batch import PackedBatch
+from st_fastbackend.engine.runtime import Runtime, choose_runtime
+
+SDPA_LOOP = Runtime("sdpa_loop", grouped_heads=True, window=True, is_causal=True)
 
 
 def dense_reference(q, k, v, lengths, causal, window):
     """Every token against every token of the pack, masked to its own sequence (and causal / window)."""
+    q, k, v = q.double(), k.double(), v.double()
     seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     pos = torch.cat([torch.arange(n) for n in lengths])
     allowed = seq[:, None] == seq[None, :]
@@ -21,8 +29,22 @@ def dense_reference(q, k, v, lengths, causal, window):
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
-    scores = scores.masked_fill(~allowed, float("-inf"))
+    scores = scores.masked_fill(~allowed.to(q.device), float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def random_qkv(lengths, kv_heads, dtype=torch.float32, device="cpu"):
+    torch.manual_seed(0)
+    q = torch.randn(sum(lengths), 4, 8, dtype=dtype, device=device)
+    k, v = torch.randn(2, sum(lengths), kv_heads, 8, dtype=dtype, device=device)
+    return q, k, v
+
+
+@pytest.fixture
+def standin(monkeypatch):
+    yield lambda name: kernel_standins.install(monkeypatch, name)
+    monkeypatch.undo()
+    choose_runtime.cache_clear()
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -33,15 +55,16 @@ def test_sdpa_loop_matches_dense_attention(causal, kv_heads, window):
         pytest.skip("sliding windows are causal here, as in every supported family")
     lengths = [1, 7, 2, 12, 5, 5, 5, 3, 3]  # runs of equal lengths share one kernel call
     batch = PackedBatch.from_sequences([[0] * n for n in lengths])
-    torch.manual_seed(0)
-    q = torch.randn(sum(lengths), 4, 8)
-    k, v = torch.randn(2, sum(lengths), kv_heads, 8)
-    out = varlen_attention(q, k, v, batch, causal=causal, window=window, kernel="sdpa_loop")
-    torch.testing.assert_close(out, dense_reference(q, k, v, lengths, causal, window), atol=1e-5, rtol=1e-5)
+    q, k, v = random_qkv(lengths, kv_heads)
+    out = varlen_attention(q, k, v, batch, causal=causal, window=window, runtime=SDPA_LOOP)
+    torch.testing.assert_close(out.double(), dense_reference(q, k, v, lengths, causal, window), atol=1e-5, rtol=1e-5)
 
 
-def test_cpu_uses_the_sdpa_loop():
-    assert pick_kernel(torch.device("cpu")) == "sdpa_loop"
+def test_fp32_and_cpu_use_the_sdpa_loop():
+    """Flash kernels take fp16/bf16 only: fp32 runs through SDPA on a GPU too (choosing touches no GPU)."""
+    for device_type, dtype in [("cpu", torch.float32), ("cpu", torch.bfloat16), ("cuda", torch.float32)]:
+        assert choose_runtime(device_type, dtype).kernel == "sdpa_loop"
+    assert choose_runtime("cuda", torch.float32).grouped_heads is False  # k/v repeated for CUDA's SDPA kernels
 
 
 def test_packed_batch_layout():
@@ -55,26 +78,65 @@ def test_packed_batch_layout():
         PackedBatch.from_sequences([[1], []])
 
 
-def test_torch_varlen_before_window_support(monkeypatch):
-    """torch < 2.12's varlen_attn (CUDA only) takes is_causal, no window and equal head counts. A CPU
-    stand-in with that signature checks our side: k/v heads repeated, and sequences longer than the
-    window sent through the per-sequence SDPA with a window mask."""
-    import torch.nn.attention.varlen as varlen
+EXPECTED = {  # what choose_runtime must read from each signature
+    "torch 2.10": Runtime("torch_varlen", grouped_heads=False, window=False, is_causal=True),
+    "torch 2.11": Runtime("torch_varlen", grouped_heads=False, window=True, is_causal=False),
+    "torch 2.13": Runtime("torch_varlen", grouped_heads=True, window=True, is_causal=False),
+    "flash-attn 2": Runtime("flash_attn", grouped_heads=True, window=True, is_causal=True),
+}
 
-    calls = []
 
-    def old_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False):
-        assert q.shape[1] == k.shape[1] == v.shape[1]
-        calls.append(max_q)
-        lengths = (cu_q[1:] - cu_q[:-1]).tolist()
-        return dense_reference(q, k, v, lengths, is_causal, None)
+@pytest.mark.parametrize("name", kernel_standins.STANDINS)
+def test_capabilities_are_read_from_the_installed_signature(standin, name):
+    standin(name)
+    assert choose_runtime("cuda", torch.bfloat16) == EXPECTED[name]
+    assert choose_runtime("cuda", torch.float16) == EXPECTED[name]
+    assert choose_runtime("cuda", torch.float32).kernel == "sdpa_loop"
 
-    monkeypatch.setattr(varlen, "varlen_attn", old_varlen_attn)
+
+@pytest.mark.parametrize("name", kernel_standins.STANDINS)
+@pytest.mark.parametrize("causal, window", [(True, None), (True, 16), (True, 3), (False, None)])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_each_kernel_signature_gives_dense_attention(standin, name, causal, window, kv_heads):
+    """Through the stand-in where it can (grouped heads repeated, causality and windows expressed as the
+    release takes them), through the SDPA loop where a release has no window and the window cuts."""
+    standin(name)
     lengths = [9, 4, 4, 1]
     batch = PackedBatch.from_sequences([[0] * n for n in lengths])
-    q = torch.randn(sum(lengths), 4, 8)
-    k, v = torch.randn(2, sum(lengths), 2, 8)
-    for window in (None, 16, 3):  # no window, a window longer than every sequence, a window that cuts
-        out = varlen_attention(q, k, v, batch, causal=True, window=window, kernel="torch_varlen")
-        torch.testing.assert_close(out, dense_reference(q, k, v, lengths, True, window), atol=1e-5, rtol=1e-5)
-    assert calls == [9, 9]  # the cutting window did not reach the windowless kernel
+    q, k, v = random_qkv(lengths, kv_heads, torch.bfloat16)
+    out = varlen_attention(q, k, v, batch, causal=causal, window=window, runtime=choose_runtime("cpu", q.dtype))
+    torch.testing.assert_close(out.double(), dense_reference(q, k, v, lengths, causal, window), atol=2e-2, rtol=0)
+    cuts = window is not None and window < max(lengths)
+    assert kernel_standins.Calls.count == (0 if cuts and name == "torch 2.10" else 1)
+
+
+def test_standins_refuse_what_the_kernels_refuse():
+    lengths = [3, 2]
+    cu = PackedBatch.from_sequences([[0] * n for n in lengths]).cu_seqlens
+    q, k, v = random_qkv(lengths, 2)
+    with pytest.raises(RuntimeError, match="fp16 and bf16"):
+        kernel_standins.varlen_attn_2_13(q, k, v, cu, cu, 3, 3, enable_gqa=True)
+    q, k, v = random_qkv(lengths, 2, torch.bfloat16)
+    with pytest.raises(ValueError, match="same number of heads"):
+        kernel_standins.varlen_attn_2_11(q, k, v, cu, cu, 3, 3)
+    with pytest.raises(TypeError):
+        kernel_standins.varlen_attn_2_11(q, k, v, cu, cu, 3, 3, enable_gqa=True)  # no such keyword in 2.11
+    with pytest.raises(TypeError):
+        kernel_standins.varlen_attn_2_13(q, k, v, cu, cu, 3, 3, is_causal=True)  # nor this one in 2.13
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the real CUDA kernels run under `pytest --device cuda`")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal, window", [(True, None), (True, 16), (False, None)])
+@pytest.mark.parametrize("kv_heads", [4, 1])
+def test_the_installed_cuda_kernel_gives_dense_attention(dtype, causal, window, kv_heads):
+    choose_runtime.cache_clear()
+    lengths = [40, 17, 17, 1, 300]
+    batch = PackedBatch.from_sequences([[0] * n for n in lengths]).to("cuda")
+    q, k, v = random_qkv(lengths, kv_heads, dtype, "cuda")
+    chosen = choose_runtime("cuda", dtype)
+    assert (chosen.kernel == "sdpa_loop") == (dtype == torch.float32)
+    out = varlen_attention(q, k, v, batch, causal=causal, window=window, runtime=chosen)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    expected = dense_reference(q, k, v, lengths, causal, window)
+    torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=0)

@@ -4,13 +4,14 @@ import random
 
 import numpy as np
 import pytest
+from helpers import DEVICE
 
 from st_fastbackend import SentenceTransformer
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen3"])
 def test_alone_equals_inside_any_pack(st_model, texts, family):
-    model = SentenceTransformer(str(st_model(family, pooling_mode="mean")), backend="fast", device="cpu")
+    model = SentenceTransformer(str(st_model(family, pooling_mode="mean")), backend="fast", device=DEVICE)
     alone = np.stack([model.encode(text) for text in texts])
     together = model.encode(texts, batch_size=len(texts))
     shuffled_order = list(range(len(texts)))

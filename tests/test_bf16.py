@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from helpers import DATA_DIR, load_both, minilm_path, needs_data
+from helpers import DATA_DIR, DEVICE, load_both, minilm_path, needs_data
 from transformers import AutoConfig
 
 from st_fastbackend import SentenceTransformer
@@ -48,7 +48,7 @@ def test_bf16_error_bound_on_minilm_real_sentences():
 def test_fp16_for_a_family_that_overflows_only_when_asked_by_name(st_model, caplog, monkeypatch):
     folder = str(st_model("qwen2", pooling_mode="mean"))
     with caplog.at_level("WARNING"):
-        model = SentenceTransformer(folder, backend="fast", device="cpu", model_kwargs={"dtype": torch.float16})
+        model = SentenceTransformer(folder, backend="fast", device=DEVICE, model_kwargs={"dtype": torch.float16})
     assert next(model[0].parameters()).dtype == torch.float16
     assert "overflow in float16" in caplog.text
     assert np.isfinite(model.encode(["runs in float16 as asked"])).all()

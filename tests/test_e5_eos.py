@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 from builders import add_e5_tokenizer_contradiction, build_st_model
-from helpers import TOLERANCE, max_diff
+from helpers import DEVICE, TOLERANCE, max_diff
 from sentence_transformers import SentenceTransformer as PlainSentenceTransformer
 
 from st_fastbackend import SentenceTransformer
@@ -42,13 +42,13 @@ def model_card_embeddings(folder, texts):
 
 
 def test_plain_sentence_transformers_drops_the_eos(e5_folder):
-    plain = PlainSentenceTransformer(str(e5_folder), device="cpu")
+    plain = PlainSentenceTransformer(str(e5_folder), device=DEVICE)
     assert plain.tokenizer("some text")["input_ids"][-1] != plain.tokenizer.eos_token_id
 
 
 def test_fast_backend_follows_the_model_card(e5_folder, texts, caplog):
     with caplog.at_level(logging.INFO, logger="st_fastbackend"):
-        fast = SentenceTransformer(str(e5_folder), backend="fast", device="cpu")
+        fast = SentenceTransformer(str(e5_folder), backend="fast", device=DEVICE)
     assert sum("asks for EOS" in record.message for record in caplog.records) == 1
     eos = fast.tokenizer.eos_token_id
     sequences = fast[0].token_ids(texts)
@@ -58,14 +58,14 @@ def test_fast_backend_follows_the_model_card(e5_folder, texts, caplog):
 
 
 def test_prompt_length_excludes_the_appended_eos(e5_folder):
-    fast = SentenceTransformer(str(e5_folder), backend="fast", device="cpu")
+    fast = SentenceTransformer(str(e5_folder), backend="fast", device=DEVICE)
     prompt = "Instruct: retrieve\nQuery: "
     assert fast[0].prompt_length(prompt) == len(fast.tokenizer(prompt)["input_ids"])
 
 
 def test_saved_folder_keeps_asking_for_eos(e5_folder, texts, tmp_path):
-    fast = SentenceTransformer(str(e5_folder), backend="fast", device="cpu")
+    fast = SentenceTransformer(str(e5_folder), backend="fast", device=DEVICE)
     fast.save(str(tmp_path / "saved"))
     assert json.loads((tmp_path / "saved" / "tokenizer_config.json").read_text())["add_eos_token"] is True
-    reloaded = SentenceTransformer(str(tmp_path / "saved"), backend="fast", device="cpu")
+    reloaded = SentenceTransformer(str(tmp_path / "saved"), backend="fast", device=DEVICE)
     assert max_diff(reloaded.encode(texts), fast.encode(texts)) == 0

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from helpers import DEVICE
 from prometheus_client import CollectorRegistry
 from transformers import MistralConfig
 
@@ -22,7 +23,7 @@ def test_plan_batches_bounds_texts_and_tokens():
 
 @pytest.fixture(scope="module")
 def model(st_model):
-    return SentenceTransformer(str(st_model("qwen2", pooling_mode="mean")), backend="fast", device="cpu")
+    return SentenceTransformer(str(st_model("qwen2", pooling_mode="mean")), backend="fast", device=DEVICE)
 
 
 def record_batches(model):
@@ -65,7 +66,7 @@ def test_budget_is_a_model_property(model, texts):
 def test_error_names_the_callers_index_across_chunks(st_model, monkeypatch):
     """A text with no tokens at all (possible with tokenizers that add no special tokens)."""
     monkeypatch.setattr(st_fastbackend.model, "TOKENIZE_CHUNK", 3)
-    model = SentenceTransformer(str(st_model("qwen2", pooling_mode="mean")), backend="fast", device="cpu")
+    model = SentenceTransformer(str(st_model("qwen2", pooling_mode="mean")), backend="fast", device=DEVICE)
     monkeypatch.setattr(model[0], "token_ids", lambda texts, max_length=None: [[5] if t else [] for t in texts])
     with pytest.raises(ValueError, match="Input 4 "):
         model.encode(["a", "b", "c", "d", "", "f"])

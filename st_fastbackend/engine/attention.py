@@ -2,14 +2,11 @@
 
 q: [T, Hq, D], k and v: [T, Hkv, D] (grouped-query: Hq is a multiple of Hkv) -> [T, Hq, D].
 `window` is Hugging Face's `sliding_window`: a query sees itself and the `window - 1` tokens
-before it (transformers `sliding_window_overlay`: kv_idx > q_idx - window).
+before it (transformers `sliding_window_overlay`: kv_idx > q_idx - window). Which kernel runs, and
+what it accepts, is the Runtime decided once per device and dtype (engine/runtime.py).
 """
 
 from __future__ import annotations
-
-import importlib.util
-import inspect
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -17,61 +14,49 @@ from torch import Tensor
 
 from st_fastbackend.engine.batch import PackedBatch
 from st_fastbackend.engine.layers import bf16_products_allowed
-
-Kernel = Literal["flash_attn", "torch_varlen", "sdpa_loop"]
-KERNELS: tuple[Kernel, ...] = ("flash_attn", "torch_varlen", "sdpa_loop")
-
-
-def pick_kernel(device: torch.device) -> Kernel:
-    """flash-attn's varlen kernel on CUDA when installed, else PyTorch's own; SDPA per sequence elsewhere."""
-    if device.type != "cuda":
-        return "sdpa_loop"
-    if importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attn"
-    return "torch_varlen"
+from st_fastbackend.engine.runtime import Runtime
 
 
 def varlen_attention(
-    q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch, *, causal: bool, window: int | None, kernel: Kernel
+    q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch, *, causal: bool, window: int | None, runtime: Runtime
 ) -> Tensor:
-    if kernel == "sdpa_loop":
-        if q.dtype == torch.float32 and bf16_products_allowed():
+    cuts = window is not None and batch.max_seqlen > window  # the window changes some sequence's result
+    if runtime.kernel == "sdpa_loop" or (cuts and not runtime.window):
+        if q.dtype == torch.float32 and q.device.type == "cpu" and bf16_products_allowed():
             # An fp32 model whose products run in bf16 (engine/layers.Linear): attention's two products
             # too, through the bf16 kernel (PyTorch's fp32 one slows down 4x under that setting here).
-            return _sdpa_loop(q.bfloat16(), k.bfloat16(), v.bfloat16(), batch, causal=causal, window=window).float()
-        return _sdpa_loop(q, k, v, batch, causal=causal, window=window)
-    left = window - 1 if window is not None else -1  # both CUDA kernels count the window without the query
+            q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+            return _sdpa_loop(q, k, v, batch, causal, window, runtime.grouped_heads).float()
+        return _sdpa_loop(q, k, v, batch, causal, window, runtime.grouped_heads)
+    if q.shape[1] != k.shape[1] and not runtime.grouped_heads:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))  # [T, Hkv, D] -> [T, Hq, D]
+    left = window - 1 if window is not None and cuts else -1  # both kernels count the window without the query
     window_size = (left, 0 if causal else -1)
-    if kernel == "flash_attn":
+    cu, n = batch.cu_seqlens, batch.max_seqlen
+    if runtime.kernel == "flash_attn":
         from flash_attn import flash_attn_varlen_func
 
-        cu, n = batch.cu_seqlens, batch.max_seqlen
         return flash_attn_varlen_func(q, k, v, cu, cu, n, n, causal=causal, window_size=window_size)
-    if kernel == "torch_varlen":
-        return _torch_varlen(q, k, v, batch, causal=causal, window_size=window_size)
-    raise ValueError(f"Unknown attention kernel {kernel!r}; expected one of {KERNELS}.")
-
-
-def _torch_varlen(q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch, *, causal: bool, window_size) -> Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
-    cu, n = batch.cu_seqlens, batch.max_seqlen
-    grouped = q.shape[1] != k.shape[1]
-    if "window_size" in inspect.signature(varlen_attn).parameters:  # torch >= 2.12
-        return varlen_attn(q, k, v, cu, cu, n, n, window_size=window_size, enable_gqa=grouped)
-    # Older releases take is_causal, no window and no grouped heads. Where the window changes the
-    # result (a sequence longer than it), each sequence runs through SDPA with its own window mask.
-    if window_size[0] != -1 and n > window_size[0] + 1:
-        return _sdpa_loop(q, k, v, batch, causal=causal, window=window_size[0] + 1)
-    if grouped:
-        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    return varlen_attn(q, k, v, cu, cu, n, n, is_causal=causal)
+    options: dict = {}
+    if runtime.window:  # (-1, 0) is causal attention, (left, 0) causal within a window
+        options["window_size"] = window_size
+    if runtime.is_causal:
+        options["is_causal"] = causal
+    if runtime.grouped_heads and q.shape[1] != k.shape[1]:
+        options["enable_gqa"] = True
+    return varlen_attn(q, k, v, cu, cu, n, n, **options)
 
 
-def _sdpa_loop(q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch, *, causal: bool, window: int | None) -> Tensor:
+def _sdpa_loop(
+    q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch, causal: bool, window: int | None, grouped_heads: bool
+) -> Tensor:
     """One SDPA call per run of adjacent equal-length sequences (packs are sorted by length, so runs are
     long): [n*L, H, D] is viewed as [n, H, L, D] without a copy. 4-D inputs reach PyTorch's flash kernel
     for the CPU; 3-D inputs would fall back to the slower math kernel."""
+    if q.shape[1] != k.shape[1] and not grouped_heads:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))  # [T, Hkv, D] -> [T, Hq, D]
     out = torch.empty_like(q)
     grouped = q.shape[1] != k.shape[1]
     start = 0

@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from st_fastbackend.engine.attention import Kernel, varlen_attention
+from st_fastbackend.engine.attention import varlen_attention
 from st_fastbackend.engine.batch import PackedBatch
 from st_fastbackend.engine.layers import Linear, RMSNorm, Rotary, apply_rotary
+from st_fastbackend.engine.runtime import Runtime
 from st_fastbackend.engine.spec import DecoderSpec
 
 # Checkpoint tensor -> (our fused tensor, slot): q/k/v and gate/up are each one matrix product.
@@ -36,7 +37,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(spec.head_dim, spec.norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.norm_eps) if spec.qk_norm else None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: PackedBatch, kernel: Kernel) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: PackedBatch, runtime: Runtime) -> Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq*D] -> [T, Hq, D]
@@ -45,7 +46,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:  # Qwen3: RMSNorm over each head before the rotation
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = varlen_attention(q, k, v, batch, causal=True, window=self.window, kernel=kernel)
+        out = varlen_attention(q, k, v, batch, causal=True, window=self.window, runtime=runtime)
         return self.o_proj(out.flatten(1))  # [T, Hq, D] -> [T, Hq*D] -> [T, hidden]
 
 
@@ -72,8 +73,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, batch: PackedBatch, kernel: Kernel) -> Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, kernel)
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, batch: PackedBatch, runtime: Runtime) -> Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, runtime)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -91,7 +92,7 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.norm_eps)
         self.rotary = Rotary(spec.inv_freq, spec.rope_scaling)
 
-    def forward(self, batch: PackedBatch, kernel: Kernel) -> Tensor:
+    def forward(self, batch: PackedBatch, runtime: Runtime) -> Tensor:
         """Token ids [T] -> final hidden states [T, hidden]."""
         limit = self.spec.max_rope_positions
         if limit is not None and batch.max_seqlen > limit:
@@ -102,5 +103,5 @@ class Decoder(nn.Module):
         h = self.embed_tokens(batch.input_ids)  # [T, hidden]
         cos, sin = self.rotary(batch.position_ids, h.dtype)  # [T, head_dim] each
         for layer in self.layers:
-            h = layer(h, cos, sin, batch, kernel)
+            h = layer(h, cos, sin, batch, runtime)
         return self.norm(h)

@@ -8,9 +8,10 @@ from __future__ import annotations
 from torch import Tensor, nn
 from transformers.activations import ACT2FN
 
-from st_fastbackend.engine.attention import Kernel, varlen_attention
+from st_fastbackend.engine.attention import varlen_attention
 from st_fastbackend.engine.batch import PackedBatch
 from st_fastbackend.engine.layers import ONEDNN_ACTIVATIONS, Linear
+from st_fastbackend.engine.runtime import Runtime
 from st_fastbackend.engine.spec import EncoderSpec
 
 ENCODER_FUSED = {"query": ("qkv", 0), "key": ("qkv", 1), "value": ("qkv", 2)}
@@ -38,9 +39,9 @@ class SelfAttention(nn.Module):
         self.num_heads, self.head_dim = spec.num_heads, spec.hidden_size // spec.num_heads
         self.qkv = Linear(spec.hidden_size, 3 * spec.hidden_size)
 
-    def forward(self, h: Tensor, batch: PackedBatch, kernel: Kernel) -> Tensor:
+    def forward(self, h: Tensor, batch: PackedBatch, runtime: Runtime) -> Tensor:
         q, k, v = self.qkv(h).view(-1, 3, self.num_heads, self.head_dim).unbind(1)  # [T, 3H] -> 3 x [T, heads, D]
-        out = varlen_attention(q, k, v, batch, causal=False, window=None, kernel=kernel)
+        out = varlen_attention(q, k, v, batch, causal=False, window=None, runtime=runtime)
         return out.flatten(1)  # [T, heads, D] -> [T, hidden]
 
 
@@ -83,8 +84,8 @@ class EncoderLayer(nn.Module):
         self.intermediate = Intermediate(spec)
         self.output = DenseResidualNorm(spec.intermediate_size, spec.hidden_size, spec.norm_eps)
 
-    def forward(self, h: Tensor, batch: PackedBatch, kernel: Kernel) -> Tensor:
-        h = self.attention.output(self.attention.self(h, batch, kernel), h)
+    def forward(self, h: Tensor, batch: PackedBatch, runtime: Runtime) -> Tensor:
+        h = self.attention.output(self.attention.self(h, batch, runtime), h)
         return self.output(self.intermediate(h), h)
 
 
@@ -109,9 +110,9 @@ class Encoder(nn.Module):
     def position_offset(self) -> int:
         return self.spec.position_offset
 
-    def forward(self, batch: PackedBatch, kernel: Kernel) -> Tensor:
+    def forward(self, batch: PackedBatch, runtime: Runtime) -> Tensor:
         """Token ids [T] -> last hidden states [T, hidden]."""
         h = self.embeddings(batch)
         for layer in self.encoder.layer:
-            h = layer(h, batch, kernel)
+            h = layer(h, batch, runtime)
         return h

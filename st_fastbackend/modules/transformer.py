@@ -18,10 +18,10 @@ import torch
 from sentence_transformers.base.modules import InputModule, Transformer
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
-from st_fastbackend.engine.attention import Kernel, pick_kernel
 from st_fastbackend.engine.batch import PackedBatch
 from st_fastbackend.engine.layers import Linear, limit_reordered_copies
 from st_fastbackend.engine.registry import build_engine
+from st_fastbackend.engine.runtime import Kernel, Runtime, choose_runtime
 from st_fastbackend.engine.spec import FP16_OVERFLOWS, UnsupportedModelError
 from st_fastbackend.engine.weights import INDEX_FILE, checkpoint_files, load_weights
 from st_fastbackend.modules.files import resolve_folder
@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 _HUB_KWARGS = {"subfolder", "token", "cache_dir", "revision", "local_files_only", "trust_remote_code"}
 # model_kwargs that do not change the math; any other is refused.
 _NEUTRAL_MODEL_KWARGS = _HUB_KWARGS | {"dtype", "torch_dtype", "attn_implementation", "low_cpu_mem_usage"}
+_NEUTRAL_MODEL_KWARGS |= {"device_map"}  # one device: where the weights are read to
 # sentence_bert_config.json keys read here; any other key with a non-default value is refused.
 _DEFAULT_MODULE_CONFIG = {
     "transformer_task": "feature-extraction",
@@ -67,8 +68,10 @@ class PackedTransformer(InputModule):
         if unknown := set(model_kwargs) - _NEUTRAL_MODEL_KWARGS:
             raise UnsupportedModelError(f"model_kwargs {sorted(unknown)}")
         self.model = build_engine(config)
-        load_weights(self.model, self.folder, torch.device("cpu"), _resolve_dtype(model_kwargs, config))
-        limit_reordered_copies(self.model)
+        device = _load_device(model_kwargs.get("device_map"))
+        load_weights(self.model, self.folder, device, _resolve_dtype(model_kwargs, config))
+        if device.type == "cpu":
+            limit_reordered_copies(self.model)
         self.config = config
 
         # As sentence-transformers' Transformer: max_seq_length becomes the tokenizer's model_max_length,
@@ -85,7 +88,7 @@ class PackedTransformer(InputModule):
             _lowercase_input(self.tokenizer)
         self.add_bos, self.add_eos = _missing_special_tokens(self.folder, self.tokenizer)
         self._prompt_lengths: dict[str, int] = {}
-        self._in_use: tuple[Kernel, torch.dtype] | None = None  # attention kernel, product dtype: logged
+        self._in_use: tuple[Runtime, torch.dtype] | None = None  # attention runtime, product dtype: logged
 
     # -- loading -------------------------------------------------------------------------------
 
@@ -138,8 +141,14 @@ class PackedTransformer(InputModule):
         self.tokenizer.model_max_length = value
 
     @property
+    def runtime(self) -> Runtime:
+        """The attention kernel and its capabilities for the model's device and dtype (decided once for each)."""
+        weight = next(self.model.parameters())
+        return choose_runtime(weight.device.type, weight.dtype)
+
+    @property
     def attention_kernel(self) -> Kernel:
-        return pick_kernel(next(self.model.parameters()).device)
+        return self.runtime.kernel
 
     @property
     def product_dtype(self) -> torch.dtype:
@@ -207,12 +216,13 @@ class PackedTransformer(InputModule):
         return self._prompt_lengths[prompt]
 
     def forward(self, features: dict[str, Any], **kwargs) -> dict[str, Any]:
-        kernel = self.attention_kernel
-        in_use = (kernel, self.product_dtype)
+        runtime = self.runtime
+        in_use = (runtime, self.product_dtype)
         if in_use != self._in_use:
-            logger.info(f"Attention kernel: {kernel}; matrix products in {in_use[1]}")
+            dtype = next(self.model.parameters()).dtype
+            logger.info(f"Attention kernel: {runtime}; model in {dtype}, matrix products in {in_use[1]}")
             self._in_use = in_use
-        features["token_embeddings"] = self.model(features["packed"], kernel)  # [T, hidden]
+        features["token_embeddings"] = self.model(features["packed"], runtime)  # [T, hidden]
         return features
 
     def save(self, output_path: str, *args, safe_serialization: bool = True, **kwargs) -> None:
@@ -244,6 +254,17 @@ def check_texts(inputs: list) -> None:
 def _without_hub_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """The folder is already resolved; keyword arguments for the Hub do not apply to it."""
     return {k: v for k, v in kwargs.items() if k not in _HUB_KWARGS}
+
+
+def _load_device(device_map) -> torch.device:
+    """Where the weights are read to: sentence-transformers' device_map naming one device (our
+    SentenceTransformer sets it to the model's device), else the CPU."""
+    if device_map is None:
+        return torch.device("cpu")
+    try:
+        return torch.device(device_map)
+    except (TypeError, RuntimeError, ValueError):
+        raise UnsupportedModelError(f"device_map={device_map!r} (one device, e.g. 'cuda:1', is supported)") from None
 
 
 def _resolve_dtype(model_kwargs: dict[str, Any], config) -> torch.dtype:

@@ -1,0 +1,72 @@
+"""The attention kernel for a device and dtype, and what the installed kernel accepts: decided once.
+
+Capabilities are read from the installed functions, never inferred from a version number. The
+signatures of PyTorch's `torch.nn.attention.varlen.varlen_attn` (read from its source):
+  2.10  (query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None)
+  2.11  (..., max_k, *, return_aux=None, scale=None, window_size=(-1, -1))    causal = window_size (w, 0)
+  2.12+ (..., window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None)
+Both flash kernels (flash-attn's and PyTorch's) take fp16/bf16 only, so fp32 runs through exact
+per-sequence SDPA on every device.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Kernel = Literal["flash_attn", "torch_varlen", "sdpa_loop"]
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+VARLEN_DEVICES = ("cuda",)  # where the flash kernels exist (tests add "cpu" to run stand-ins of them)
+
+
+@dataclass(frozen=True)
+class Runtime:
+    kernel: Kernel
+    grouped_heads: bool  # takes fewer k/v heads than query heads; else k/v are repeated
+    window: bool  # takes a sliding window; else sequences a window cuts run through the SDPA loop
+    is_causal: bool  # takes `is_causal`; else causality is window_size=(left, 0)
+
+    def __str__(self) -> str:
+        missing = [name for name in ("grouped_heads", "window", "is_causal") if not getattr(self, name)]
+        return self.kernel + (f" (without {', '.join(missing)})" if missing and self.kernel != "sdpa_loop" else "")
+
+
+@functools.cache
+def choose_runtime(device_type: str, dtype: torch.dtype) -> Runtime:
+    """flash-attn's varlen kernel where installed, else PyTorch's own, for fp16/bf16 on a GPU;
+    SDPA per run of equal-length sequences everywhere else (CPU, fp32, PyTorch without varlen)."""
+    if device_type in VARLEN_DEVICES and dtype in HALF_DTYPES:
+        if _has_flash_attn():
+            return Runtime("flash_attn", grouped_heads=True, window=True, is_causal=True)
+        keywords = torch_varlen_keywords()
+        if keywords is not None:
+            return Runtime(
+                "torch_varlen",
+                grouped_heads="enable_gqa" in keywords,
+                window="window_size" in keywords,
+                is_causal="is_causal" in keywords,
+            )
+    # PyTorch's CPU flash kernel takes grouped heads; on CUDA the memory-efficient SDPA kernel (fp32,
+    # masks) does not, and grouped heads would send it to the math kernel: repeat k/v there.
+    return Runtime("sdpa_loop", grouped_heads=device_type == "cpu", window=True, is_causal=True)
+
+
+def torch_varlen_keywords() -> frozenset[str] | None:
+    """The parameters of the installed varlen_attn, or None where PyTorch has none (before 2.10)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def _has_flash_attn() -> bool:
+    try:
+        from flash_attn import flash_attn_varlen_func  # noqa: F401
+    except ImportError:
+        return False
+    return True

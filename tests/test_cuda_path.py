@@ -1,0 +1,77 @@
+"""The CUDA path driven on the CPU: stand-ins with the exact signatures of each supported kernel release
+(tests/kernel_standins.py) run the whole encode(). fp32 must never reach them (the flash kernels refuse
+it) and stays exact; bf16 goes through them and keeps the bf16 error rule."""
+
+import functools
+
+import kernel_standins
+import numpy as np
+import pytest
+import torch
+from helpers import DEVICE, TOLERANCE, load_both, max_diff
+from test_bf16 import one_minus_cosine
+
+from st_fastbackend.engine.runtime import choose_runtime
+
+pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the stand-ins replace the CUDA kernels on the CPU")
+
+CASES = {
+    "mistral window 16": ("mistral", dict(sliding_window=16)),
+    "qwen2 window in layer 1": ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1)),
+    "mistral multi-query": ("mistral", dict(num_key_value_heads=1)),
+    "bert": ("bert", {}),
+}
+
+
+@pytest.fixture
+def standin(monkeypatch):
+    yield lambda name: kernel_standins.install(monkeypatch, name)
+    monkeypatch.undo()
+    choose_runtime.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def case_texts(texts):
+    return [t for t in texts if t]
+
+
+@pytest.fixture(scope="module")
+def plain_embeddings(st_model, case_texts):
+    """case -> (folder, plain fp32 embeddings, plain bf16 embeddings), computed once per case."""
+
+    @functools.cache
+    def embed(case: str):
+        family, overrides = CASES[case]
+        folder = st_model(family, pooling_mode="mean", **overrides)
+        plain32, _ = load_both(folder)
+        plain16, _ = load_both(folder, model_kwargs={"dtype": torch.bfloat16})
+        return folder, plain32.encode(case_texts), plain16.encode(case_texts)
+
+    return embed
+
+
+@pytest.mark.parametrize("name", kernel_standins.STANDINS)
+@pytest.mark.parametrize("case", CASES)
+def test_bf16_encode_through_each_kernel_release(standin, plain_embeddings, case_texts, name, case):
+    standin(name)
+    folder, reference, plain_bf16 = plain_embeddings(case)
+    _, fast = load_both(folder, model_kwargs={"dtype": torch.bfloat16})
+    assert fast[0].attention_kernel == ("flash_attn" if name.startswith("flash") else "torch_varlen")
+    ours = fast.encode(case_texts, batch_size=8)
+    assert kernel_standins.Calls.count > 0
+    ours_error = one_minus_cosine(ours.astype(np.float32), reference)
+    plain_error = one_minus_cosine(plain_bf16.astype(np.float32), reference)
+    assert ours_error.max() <= 2 * plain_error.max()
+    assert ours_error.mean() <= 2 * plain_error.mean()
+    alone = np.stack([fast.encode(text) for text in case_texts[:6]])  # a text alone equals it in a pack
+    np.testing.assert_allclose(ours[:6], alone, atol=1e-2, rtol=0)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fp32_never_reaches_a_flash_kernel_and_stays_exact(standin, plain_embeddings, case_texts, case):
+    standin("torch 2.11")  # the release on the project's GPU machine
+    folder, reference, _ = plain_embeddings(case)
+    _, fast = load_both(folder)
+    assert fast[0].attention_kernel == "sdpa_loop"
+    assert max_diff(reference, fast.encode(case_texts, batch_size=8)) <= TOLERANCE
+    assert kernel_standins.Calls.count == 0
