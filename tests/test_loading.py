@@ -5,10 +5,11 @@ import json
 import pytest
 import torch
 from builders import build_hf_model, with_pooling
-from helpers import TOLERANCE, load_both, max_diff
+from helpers import DEVICE, TOLERANCE, load_both, max_diff
 from sentence_transformers import SentenceTransformer as PlainSentenceTransformer
 
 from st_fastbackend import SentenceTransformer, UnsupportedModelError
+from st_fastbackend.engine import weights
 from st_fastbackend.engine.weights import CheckpointError
 from st_fastbackend.modules import PackedTransformer
 
@@ -103,6 +104,24 @@ def test_checkpoint_errors_name_the_tensor(tmp_path):
     save_file(weights, folder / "model.safetensors")
     with pytest.raises(CheckpointError, match=r"layers\.0\.mlp\.\w+_proj\.weight: checkpoint shape"):
         SentenceTransformer(str(folder), backend="fast", device="cpu")
+
+
+def test_weights_are_read_straight_onto_the_models_device(st_model, monkeypatch):
+    """Tensor by tensor onto the device, in the model's dtype: a 7B model never passes through host memory."""
+    folder = str(st_model("mistral", pooling_mode="mean"))
+    opened = []
+    real_open = weights.safe_open
+
+    def safe_open(file, framework, device):
+        opened.append(device)
+        return real_open(file, framework=framework, device=device)
+
+    monkeypatch.setattr(weights, "safe_open", safe_open)
+    model = SentenceTransformer(folder, backend="fast", device=DEVICE, model_kwargs={"dtype": torch.bfloat16})
+    assert opened == [str(torch.device(DEVICE))]
+    assert {(p.device.type, p.dtype) for p in model[0].parameters()} == {(torch.device(DEVICE).type, torch.bfloat16)}
+    with pytest.raises(UnsupportedModelError, match="device_map='auto'"):
+        SentenceTransformer(folder, backend="fast", model_kwargs={"device_map": "auto"})
 
 
 def test_other_backends_are_plain_sentence_transformers(st_model, texts):

@@ -36,9 +36,13 @@ def checkpoint_files(folder: Path) -> list[Path]:
 
 
 def load_weights(model: nn.Module, folder: Path, device: torch.device, dtype: torch.dtype) -> list[str]:
-    """Fill `model` (built on the meta device) from the checkpoint; returns the names it loaded."""
+    """Fill `model` (built on the meta device) from the checkpoint, read tensor by tensor straight onto
+    `device` and cast there: the host never holds more than the tensor being read. Fused tensors are
+    joined as soon as their last part arrives. Returns the names it loaded."""
     expected = model.state_dict()
+    slot_counts = Counter(target for target, _ in model.fused.values())
     parts: dict[str, dict[int, Tensor]] = defaultdict(dict)
+    state: dict[str, Tensor] = {}
     unknown: list[str] = []
     for file in checkpoint_files(folder):
         with safe_open(file, framework="pt", device=str(device)) as f:
@@ -51,18 +55,23 @@ def load_weights(model: nn.Module, folder: Path, device: torch.device, dtype: to
                     unknown.append(raw_name)
                     continue
                 parts[target][slot] = f.get_tensor(raw_name).to(dtype)
+                count = slot_counts.get(_owner(target), 1)
+                if len(parts[target]) == count:
+                    state[target] = _join(target, parts.pop(target), count, expected[target].shape)
     if unknown:
         raise CheckpointError(f"Checkpoint in {folder} has tensors the fast backend does not know: {unknown}")
-    missing = sorted(set(expected) - set(parts))
+    for name, slots in parts.items():  # fused tensors with parts missing: the error names them
+        _join(name, slots, slot_counts.get(_owner(name), 1), expected[name].shape)
+    missing = sorted(set(expected) - set(state))
     if missing:
         raise CheckpointError(f"Checkpoint in {folder} lacks tensors: {missing}")
-    slot_counts = Counter(target for target, _ in model.fused.values())
-    state = {}
-    for name, slots in parts.items():
-        owner = name.split(".")[-2] if "." in name else name
-        state[name] = _join(name, slots, slot_counts.get(owner, 1), expected[name].shape)
     model.load_state_dict(state, strict=True, assign=True)
     return sorted(state)
+
+
+def _owner(name: str) -> str:
+    """'layers.0.self_attn.qkv_proj.weight' -> 'qkv_proj', the key of a fused table entry."""
+    return name.split(".")[-2] if "." in name else name
 
 
 def _strip_prefix(name: str, prefixes: tuple[str, ...]) -> str:
