@@ -44,20 +44,21 @@ def load_weights(model: nn.Module, folder: Path, device: torch.device, dtype: to
     parts: dict[str, dict[int, Tensor]] = defaultdict(dict)
     state: dict[str, Tensor] = {}
     unknown: list[str] = []
-    for file in checkpoint_files(folder):
+    for file, raw_name in _tensor_names(folder):
+        name = _strip_prefix(raw_name, model.prefixes)
+        if name.startswith(model.ignored):
+            continue
+        target, slot = _fused_name(name, model.fused)
+        if target not in expected:
+            unknown.append(raw_name)
+            continue
+        # Opened per tensor: safetensors maps the whole file, and the pages read stay resident until it is
+        # closed; one tensor's pages at a time keep a GPU load's host memory flat whatever the shard size.
         with safe_open(file, framework="pt", device=str(device)) as f:
-            for raw_name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                name = _strip_prefix(raw_name, model.prefixes)
-                if name.startswith(model.ignored):
-                    continue
-                target, slot = _fused_name(name, model.fused)
-                if target not in expected:
-                    unknown.append(raw_name)
-                    continue
-                parts[target][slot] = f.get_tensor(raw_name).to(dtype)
-                count = slot_counts.get(_owner(target), 1)
-                if len(parts[target]) == count:
-                    state[target] = _join(target, parts.pop(target), count, expected[target].shape)
+            parts[target][slot] = f.get_tensor(raw_name).to(dtype)
+        count = slot_counts.get(_owner(target), 1)
+        if len(parts[target]) == count:
+            state[target] = _join(target, parts.pop(target), count, expected[target].shape)
     if unknown:
         raise CheckpointError(f"Checkpoint in {folder} has tensors the fast backend does not know: {unknown}")
     for name, slots in parts.items():  # fused tensors with parts missing: the error names them
@@ -67,6 +68,14 @@ def load_weights(model: nn.Module, folder: Path, device: torch.device, dtype: to
         raise CheckpointError(f"Checkpoint in {folder} lacks tensors: {missing}")
     model.load_state_dict(state, strict=True, assign=True)
     return sorted(state)
+
+
+def _tensor_names(folder: Path) -> list[tuple[Path, str]]:
+    names = []
+    for file in checkpoint_files(folder):
+        with safe_open(file, framework="pt") as f:
+            names += [(file, name) for name in f.keys()]  # noqa: SIM118 (safe_open is not a mapping)
+    return names
 
 
 def _owner(name: str) -> str:
