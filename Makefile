@@ -1,10 +1,14 @@
-# Both targets set up .venv themselves. On a CUDA machine: make test TORCH=torch (see README).
+# Every target sets up .venv itself. On a CUDA machine: make test-gpu (the CUDA build of PyTorch from PyPI,
+# then the suite with its models on the GPU), or make test TORCH=torch (see README).
 VENV := .venv
 PY := $(VENV)/bin/python
+ifeq ($(MAKECMDGOALS),test-gpu)
+TORCH ?= torch
+endif
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed-$(shell echo '$(TORCH)' | tr -c 'a-zA-Z0-9.\n' _)
 
-.PHONY: demo test setup
+.PHONY: demo test test-gpu setup
 
 setup: $(STAMP)
 
@@ -21,3 +25,6 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	HF_HUB_OFFLINE=1 $(PY) -m pytest
+
+test-gpu: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest --device cuda

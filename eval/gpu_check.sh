@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Everything a lent GPU machine should check, in one call of the device tool (about 8 minutes): the test
+# suite with its models on the GPU (pytest --device cuda), the loading benchmark (eval/bench_load.py), and
+# a shortened 7B benchmark (eval/gpu_bench.sh). Logs and results go to $OUT (eval/results/ elsewhere).
+#
+#   here, once:   bash eval/gpu_check.sh --prepare
+#                 (gpu_bench.sh's data, tokenizer and sentence-transformers wheel, plus the wheels the
+#                 suite's server tests need and the device image lacks, all into .gpu_carry/)
+#   device:       run(command="bash eval/gpu_check.sh", carry=[".gpu_carry"], timeout_s=600)
+#   dry run:      PYTHON=.venv/bin/python bash eval/gpu_check.sh --dry-run   (CPU: a few tests, 2 narrow layers)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+CARRY=.gpu_carry
+PYTHON=${PYTHON:-python3}
+OUT=${OUT:-eval/results/gpu-check-$(date +%Y-%m-%d-%H%M)}
+mkdir -p "$OUT"
+
+# Server and test dependencies missing from the device image (its list: .library/device/KINDS.md), at the
+# versions this project's CPU environment runs.
+SERVER_WHEELS="fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.7.0
+typing-inspection==0.4.5 typing-extensions==4.16.0 anyio==4.16.0 sniffio==1.3.1 uvicorn==0.54.0 orjson==3.13.0
+openai==3.57.0 jiter==0.19.0 distro==1.9.0"
+
+if [ "${1:-}" = "--prepare" ]; then
+    bash eval/gpu_bench.sh --prepare
+    # shellcheck disable=SC2086
+    .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+        -d "$CARRY/wheels" $SERVER_WHEELS
+    du -sh "$CARRY"
+    exit 0
+fi
+
+DRY=""
+if [ "${1:-}" = "--dry-run" ]; then
+    DRY=1
+elif compgen -G "$CARRY/wheels/*.whl" > /dev/null; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        "$CARRY"/wheels/*.whl
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+"$PYTHON" -c "import torch, transformers, sentence_transformers as st; print('torch', torch.__version__, \
+'cuda', torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU', \
+'| transformers', transformers.__version__, '| sentence-transformers', st.__version__)" | tee "$OUT/versions.txt"
+
+echo "== 1. the test suite on the GPU"
+if [ -n "$DRY" ]; then
+    SUITE=(--device cpu tests/test_attention.py tests/test_cuda_path.py)
+else
+    SUITE=(--device cuda)
+fi
+timeout 270 "$PYTHON" -m pytest "${SUITE[@]}" -p no:cacheprovider -rs --junitxml="$OUT/tests.xml" 2>&1 \
+    | tee "$OUT/tests.log" | tail -40
+
+echo "== 2. loading: time to first embedding and host memory, plain vs fast"
+if [ -z "$DRY" ]; then
+    timeout 120 "$PYTHON" eval/bench_load.py --device cuda --rounds 1 --out "$OUT/load.json" 2>&1 | tee "$OUT/load.log"
+fi
+
+echo "== 3. the 7B benchmark, shortened"
+if [ -n "$DRY" ]; then
+    PYTHON="$PYTHON" OUT="$OUT" timeout 600 bash eval/gpu_bench.sh --dry-run 2>&1 | tail -15
+else
+    OUT="$OUT" timeout 180 bash eval/gpu_bench.sh --lengths 512 8192 --paragraphs 512 2>&1 | tee "$OUT/bench.log" | tail -15
+fi
+echo "== summary"
+grep -E "passed|failed" "$OUT/tests.log" | tail -1
+[ -f "$OUT/load.log" ] && tail -5 "$OUT/load.log"
+true
