@@ -87,6 +87,12 @@ class SentenceTransformer(sentence_transformers.SentenceTransformer):
             return super()._inference(inputs, **kwargs)
         return self._packed_inference(inputs, **kwargs)
 
+    def _multi_process(self, inputs, *args, **kwargs) -> list | Tensor:
+        """A multi-process pool: bad input is named by the caller's index, before the texts are split into chunks."""
+        if self.backend == "fast":
+            check_texts(inputs)
+        return super()._multi_process(inputs, *args, **kwargs)
+
     @torch.inference_mode()
     def _packed_inference(
         self,

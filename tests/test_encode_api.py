@@ -1,9 +1,13 @@
 """Everything users pass to encode() keeps working and gives plain sentence-transformers' numbers."""
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
-from helpers import TOLERANCE, load_both, max_diff
+from helpers import DEVICE, TOLERANCE, load_both, max_diff
+
+from st_fastbackend import SentenceTransformer
 
 PROMPTS = {"query": "query: ", "document": "passage: ", "sts": "Instruct: similar text\nQuery: "}
 
@@ -86,11 +90,29 @@ def test_max_seq_length_get_and_set(st_model, texts):
     assert max_diff(plain.encode(texts), fast.encode(texts)) <= TOLERANCE
 
 
-@pytest.mark.parametrize("bad", [None, 3, ["a list"]])
-def test_non_string_input_is_a_clear_error(models, bad):
+@pytest.mark.parametrize(
+    "bad, says", [(None, "NoneType"), (3, "int"), (["a", "b"], "a list .a pair of texts"), ({"text": "a"}, "a dict")]
+)
+def test_non_string_input_is_a_clear_error(models, bad, says):
+    """Plain sentence-transformers takes pairs and dicts; the fast backend says it does not, by index."""
     _, fast = models
-    with pytest.raises(TypeError, match="input 1 is"):
+    with pytest.raises(TypeError, match=f"input 1 is {says}.*backend=.torch. accepts them"):
         fast.encode(["fine", bad])
+
+
+def test_multi_process_pool_names_the_callers_index(models):
+    _, fast = models
+    with pytest.raises(TypeError, match="input 12 is int"):
+        fast.encode(["fine"] * 12 + [3], device=["cpu", "cpu"], chunk_size=5)
+
+
+def test_a_folder_without_tokenizer_files_is_refused(st_model, tmp_path):
+    """transformers 5 would build a 5-token tokenizer, and every text would embed to the same vector."""
+    folder = shutil.copytree(st_model("mistral", pooling_mode="mean"), tmp_path / "no_tokenizer")
+    for file in folder.glob("tokenizer*"):
+        file.unlink()
+    with pytest.raises(FileNotFoundError, match="no tokenizer files.*tokenizer.json"):
+        SentenceTransformer(str(folder), backend="fast", device=DEVICE)
 
 
 def test_multi_process_pool_gives_the_same_vectors(models, texts):

@@ -78,6 +78,7 @@ class PackedTransformer(InputModule):
         # capped at the model's max_position_embeddings unless the caller set model_max_length.
         if max_seq_length is not None and "model_max_length" not in processor_kwargs:
             processor_kwargs["model_max_length"] = max_seq_length
+        check_tokenizer_files(self.folder)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
             self.folder, **_without_hub_kwargs(processor_kwargs)
         )
@@ -248,7 +249,27 @@ class PackedTransformer(InputModule):
 def check_texts(inputs: list) -> None:
     for index, text in enumerate(inputs):
         if not isinstance(text, str):
-            raise TypeError(f"The fast backend embeds strings; input {index} is {type(text).__name__}.")
+            kinds = {dict: "a dict (multimodal input)", list: "a list (a pair of texts?)", tuple: "a tuple (a pair?)"}
+            kind = kinds.get(type(text), type(text).__name__)
+            raise TypeError(
+                f"The fast backend embeds plain strings; input {index} is {kind}. "
+                'Text pairs and dict inputs are not supported by it; backend="torch" accepts them.'
+            )
+
+
+# The files one of transformers' tokenizers is built from: a tokenizer.json, or a vocabulary of its own.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.txt",
+                   "vocab.json")  # fmt: skip
+
+
+def check_tokenizer_files(folder: Path) -> None:
+    """transformers 5 builds a 5-token tokenizer for a folder without tokenizer files, and every text then
+    embeds to nearly the same vector; refuse such a folder instead."""
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"{folder} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}): "
+            "copy the model's tokenizer into the folder."
+        )
 
 
 def _without_hub_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
