@@ -31,8 +31,14 @@ logger = logging.getLogger(__name__)
 # What sentence-transformers adds to model/processor/config kwargs for the Hub.
 _HUB_KWARGS = {"subfolder", "token", "cache_dir", "revision", "local_files_only", "trust_remote_code"}
 # model_kwargs that do not change the math; any other is refused.
-_NEUTRAL_MODEL_KWARGS = _HUB_KWARGS | {"dtype", "torch_dtype", "attn_implementation", "low_cpu_mem_usage"}
-_NEUTRAL_MODEL_KWARGS |= {"device_map"}  # one device: where the weights are read to
+# ("device_map" naming one device: where the weights are read to.)
+_NEUTRAL_MODEL_KWARGS = _HUB_KWARGS | {
+    "dtype",
+    "torch_dtype",
+    "attn_implementation",
+    "low_cpu_mem_usage",
+    "device_map",
+}
 # sentence_bert_config.json keys read here; any other key with a non-default value is refused.
 _DEFAULT_MODULE_CONFIG = {
     "transformer_task": "feature-extraction",
@@ -67,6 +73,7 @@ class PackedTransformer(InputModule):
         config = AutoConfig.from_pretrained(self.folder, **_without_hub_kwargs(config_kwargs or {}))
         if unknown := set(model_kwargs) - _NEUTRAL_MODEL_KWARGS:
             raise UnsupportedModelError(f"model_kwargs {sorted(unknown)}")
+        check_tokenizer_files(self.folder)  # before minutes of loading a large model
         self.model = build_engine(config)
         device = _load_device(model_kwargs.get("device_map"))
         load_weights(self.model, self.folder, device, _resolve_dtype(model_kwargs, config))
@@ -78,7 +85,6 @@ class PackedTransformer(InputModule):
         # capped at the model's max_position_embeddings unless the caller set model_max_length.
         if max_seq_length is not None and "model_max_length" not in processor_kwargs:
             processor_kwargs["model_max_length"] = max_seq_length
-        check_tokenizer_files(self.folder)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
             self.folder, **_without_hub_kwargs(processor_kwargs)
         )
