@@ -46,7 +46,7 @@ PRECISIONS = {
     "bf16": (torch.bfloat16, torch.bfloat16),
     "bf16mm": (torch.float32, torch.bfloat16),
 }
-# The small Mistral of the issue: hidden 512, 4 layers, 8 heads / 2 key-value heads, intermediate 1408.
+# A small Mistral: hidden 512, 4 layers, 8 heads / 2 key-value heads, intermediate 1408.
 SMALL_MISTRAL = dict(
     model_type="mistral", hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
     intermediate_size=1408, max_position_embeddings=4096, sliding_window=None,

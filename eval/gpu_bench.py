@@ -1,4 +1,4 @@
-"""The GPU benchmark (issue 7): e5-mistral-7b's architecture with random bf16 weights, plain
+"""The GPU benchmark: e5-mistral-7b's architecture with random bf16 weights, plain
 sentence-transformers and the fast backend side by side on the same texts, in one process.
 
 1. the bf16 matrix-product ceiling (one large GEMM, median of timed runs);

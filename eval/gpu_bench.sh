@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The H200 check of issue 7 in one call of the device tool (about 6-8 minutes on the GPU).
+# The 7B benchmark on a GPU machine in one call of the device tool (about 6-8 minutes on an H200).
 #
 #   here, once:   bash eval/gpu_bench.sh --prepare
 #                 (copies the Wikipedia data and a tokenizer, downloads the wheels the device machine
