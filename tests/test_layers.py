@@ -96,3 +96,40 @@ def test_no_reordered_copies_where_memory_is_short(st_model, monkeypatch):
     texts = ["a short text", "another text, longer than the first one"]
     np.testing.assert_allclose(fast.encode(texts), plain.encode(texts), atol=1e-5, rtol=0)
     assert all(m._prepacked is None for m in linears)
+
+
+def test_products_run_on_a_bounded_set_of_row_counts():
+    """oneDNN keeps a compiled primitive per product shape: token counts are rounded up to at most 56
+    row counts up to 8,192, adding at most 15 rows or 12.5%."""
+    counts = {rows: layers.product_rows(rows) for rows in range(1, 8193)}
+    assert len(set(counts.values())) <= 56
+    assert all(rows <= padded <= max(rows + 15, rows * 1.125) for rows, padded in counts.items())
+    assert all(layers.product_rows(padded) == padded for padded in counts.values())
+
+
+def test_padded_rows_change_no_number(monkeypatch):
+    """A row's product does not depend on how many rows oneDNN multiplies with it: the products of
+    padded inputs equal those of the exact row count bit for bit (activation and gated forms too)."""
+    torch.manual_seed(0)
+    layer, x, other = Linear(64, 96), torch.randn(300, 64), torch.randn(300, 48)
+    row_counts = (1, 2, 15, 17, 100, 129, 257, 300)
+
+    def products() -> list[torch.Tensor]:
+        with torch.inference_mode():
+            return [
+                product
+                for rows in row_counts
+                for product in (
+                    layer(x[:rows]),
+                    layer.product(x[:rows], activation="gelu"),
+                    layer.product(x[:rows], 1, 2, multiply=other[:rows]),
+                )
+            ]
+
+    padded, seen = layers.padded, set()
+    monkeypatch.setattr(layers, "padded", lambda x, dtype: seen.add(len(out := padded(x, dtype))) or out)
+    results, reached = products(), set(seen)  # the row counts that reached oneDNN
+    monkeypatch.setattr(layers, "product_rows", lambda rows: rows)
+    exact = products()
+    assert all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(results, exact, strict=True))
+    assert reached == {16, 32, 112, 144, 288, 320}

@@ -42,11 +42,15 @@ class Linear(nn.Linear):
         with `multiply`, inside the same kernel: no second pass over the output."""
         dtype = self.product_dtype()
         weight, bias = self.prepacked(part, parts, dtype)
-        x = x.to(dtype)
+        shape = x.shape[:-1]
+        x = padded(x.reshape(-1, x.shape[-1]), dtype)  # [..., in] -> [product_rows(T), in]
         if multiply is not None:
-            return torch.ops.mkldnn._linear_pointwise.binary(x, multiply, weight, bias, "mul")
-        attr, algorithm = ONEDNN_ACTIVATIONS[activation] if activation is not None else ("none", "")
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
+            multiply = padded(multiply.reshape(-1, multiply.shape[-1]), dtype)
+            out = torch.ops.mkldnn._linear_pointwise.binary(x, multiply, weight, bias, "mul")
+        else:
+            attr, algorithm = ONEDNN_ACTIVATIONS[activation] if activation is not None else ("none", "")
+            out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
+        return out[: shape.numel()].unflatten(0, shape)  # [product_rows(T), out] -> [..., out]
 
     def uses_onednn(self) -> bool:
         w = self.weight
@@ -78,6 +82,28 @@ class Linear(nn.Linear):
         """Pickled (multi-process pools) and copied without the reordered copies: oneDNN's opaque
         tensors have no storage to pickle; they are rebuilt at the first forward."""
         return {k: v for k, v in self.__dict__.items() if k != "_prepacked"}
+
+
+def product_rows(rows: int) -> int:
+    """`rows` rounded up to one of a few sizes: a multiple of 16 up to 128, then 8 sizes per doubling
+    (at most 12.5% more rows). oneDNN compiles a primitive per product shape and keeps it, ~0.6 MB each
+    with PyTorch's own cache of their descriptors, up to 1,024 shapes in each cache: packs of every token
+    count filled them (RSS +700 MB over 1,200 small encode calls, eval/bench_memory.py). With these
+    sizes a product has at most 56 shapes up to 8,192 tokens. A row's result does not depend on the
+    rows around it (tests/test_layers.py), so the zero rows added change no number."""
+    step = max(16, 1 << max(0, (rows - 1).bit_length() - 4))
+    return -(-rows // step) * step
+
+
+def padded(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """x [T, n] in `dtype`, with zero rows appended up to product_rows(T): one copy at most."""
+    rows = product_rows(x.shape[0])
+    if rows == x.shape[0]:
+        return x.to(dtype)
+    out = x.new_empty((rows, x.shape[1]), dtype=dtype)
+    out[: x.shape[0]] = x
+    out[x.shape[0] :] = 0
+    return out
 
 
 def bf16_products_allowed() -> bool:
