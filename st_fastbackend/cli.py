@@ -10,6 +10,8 @@ import time
 import numpy as np
 import torch
 
+from st_fastbackend.serve.limits import Limits
+
 MATMUL_PRECISIONS = ("highest", "high", "medium")
 MATMUL_HELP = "torch.set_float32_matmul_precision; 'medium' lets an fp32 model multiply in bf16 on a CPU"
 
@@ -39,7 +41,13 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--max-batch-tokens", type=int, default=None, help="tokens per packed batch")
     serve.add_argument("--max-batch-size", type=int, default=256, help="inputs per request and per batch")
     serve.add_argument("--max-input-tokens", type=int, default=None, help="default: the model's max_seq_length")
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on all but /health")
+    serve.add_argument("--public-metrics", action="store_true", help="serve /metrics without the API key")
+    serve.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes, help="413 past this")
+    serve.add_argument("--max-request-chars", type=int, default=Limits.max_request_chars,
+                       help="characters of all inputs of one request together; 413 past this")  # fmt: skip
+    serve.add_argument("--body-timeout", type=float, default=Limits.body_timeout,
+                       help="seconds for a request body to arrive; 408 past this")  # fmt: skip
     serve.add_argument("--no-dynamic-batching", action="store_true", help="one request per forward pass")
     args = parser.parse_args(argv)
     if args.matmul_precision:
@@ -85,6 +93,8 @@ def _serve(args: argparse.Namespace) -> None:
         max_input_tokens=max_input_tokens,
         api_key=args.api_key,
         dynamic_batching=not args.no_dynamic_batching,
+        limits=Limits(args.max_body_bytes, args.max_request_chars, args.body_timeout),
+        public_metrics=args.public_metrics,
     )
     # uvicorn handles SIGTERM: stop accepting, let in-flight requests finish, run the app's shutdown. Then it
     # re-raises the signal under the handler that was there before; a no-op one makes the exit status 0.

@@ -1,11 +1,13 @@
 """The real server process on a loopback port: OpenAI client for the happy paths, httpx for errors."""
 
 import base64
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -45,6 +47,59 @@ def start_server(folder, *extra: str) -> tuple[subprocess.Popen, str]:
         time.sleep(0.2)
     process.kill()
     raise TimeoutError("server did not become healthy")
+
+
+def open_socket(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=20)
+
+
+def request_head(path: str, headers: dict[str, str]) -> bytes:
+    lines = [f"POST {path} HTTP/1.1", "Host: test", *(f"{k}: {v}" for k, v in headers.items())]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def read_status(sock: socket.socket) -> int:
+    data = b""
+    while b"\r\n" not in data:
+        chunk = sock.recv(4096)
+        if not chunk:
+            raise ConnectionError(f"closed after {data!r}")
+        data += chunk
+    return int(data.split(b" ")[1])
+
+
+def metric(url: str, name: str, headers: dict | None = None) -> float:
+    """One sample of the server's /metrics, by its name with labels as the exposition writes them."""
+    for line in httpx.get(f"{url}/metrics", headers=headers).text.splitlines():
+        if line.rsplit(" ", 1)[0] == name:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
+@contextlib.contextmanager
+def busy_worker(url: str, inputs: list[str], headers: dict):
+    """While the worker embeds `inputs` (one request): whatever is sent meanwhile queues up and is then
+    taken as one batch."""
+    taken = metric(url, "embedding_queue_wait_seconds_count", headers)
+    result = {}
+    thread = threading.Thread(
+        target=lambda: result.update(
+            response=httpx.post(f"{url}/v1/embeddings", json={"input": inputs}, headers=headers, timeout=300)
+        )
+    )
+    thread.start()
+    deadline = time.time() + 60
+    while metric(url, "embedding_queue_wait_seconds_count", headers) == taken and time.time() < deadline:
+        time.sleep(0.02)
+    yield
+    thread.join(300)
+    assert result["response"].status_code == 200
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +164,7 @@ def test_dimensions_and_token_ids_and_prompts(client, model, texts):
 def test_models_health_and_metrics(server, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     assert httpx.get(f"{server}/health").json() == {"status": "ok"}
-    metrics = httpx.get(f"{server}/metrics").text
+    metrics = httpx.get(f"{server}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     for name in ("embedding_requests_total", "embedding_errors_total", "embedding_batch_tokens",
                  "embedding_batch_texts", "embedding_queue_wait_seconds", "embedding_compute_seconds"):  # fmt: skip
         assert name in metrics
@@ -182,7 +237,7 @@ def test_concurrent_clients_get_their_own_embeddings(server, model, texts):
 
     with ThreadPoolExecutor(32) as executor:
         assert sum(executor.map(client_thread, range(32))) > 0
-    metrics = httpx.get(f"{server}/metrics").text
+    metrics = httpx.get(f"{server}/metrics", headers=headers).text
     batch_counts = [line for line in metrics.splitlines() if line.startswith("embedding_batch_texts_count")]
     assert batch_counts
 
@@ -194,7 +249,9 @@ def test_sigterm_finishes_in_flight_requests(folder, texts):
         futures = [
             executor.submit(httpx.post, f"{url}/v1/embeddings", json={"input": many}, timeout=120) for _ in range(4)
         ]
-        time.sleep(0.3)
+        deadline = time.time() + 60  # all four read by the server (on a loaded machine this takes a while)
+        while metric(url, 'embedding_requests_total{endpoint="/v1/embeddings"}') < 4 and time.time() < deadline:
+            time.sleep(0.05)
         assert not all(f.done() for f in futures)  # still in flight when the signal arrives
         process.send_signal(signal.SIGTERM)
         responses = [f.result() for f in futures]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-from typing import Literal
+import logging
 
 import numpy as np
 import orjson
@@ -14,36 +14,16 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
 from sentence_transformers.base.modules import Normalize
-from starlette.datastructures import Headers
 
-from st_fastbackend.serve.batcher import Batcher, InputError, Job
+from st_fastbackend.serve.batcher import Batcher, Job, ShuttingDown
+from st_fastbackend.serve.errors import ApiError, ErrorResponses, server_error
+from st_fastbackend.serve.guard import Guard
+from st_fastbackend.serve.limits import Limits
+from st_fastbackend.serve.schema import EmbeddingRequest, check_unicode, request_inputs
+from st_fastbackend.serve.tokens import InputError, RequestTokenizer
 
-MAX_BODY_BYTES = 8 * 2**20
-
-
-class EmbeddingRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    input: str | list[str] | list[int] | list[list[int]]
-    model: str | None = None
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(default=None, ge=1)
-    user: str | None = None  # accepted and ignored, as OpenAI documents it
-    truncate: bool = True  # like sentence-transformers: cut at max_seq_length (--max-input-tokens)
-    prompt_name: str | None = None  # sentence-transformers extensions
-    prompt: str | None = None
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.code = status, message, type, code
-
-
-def error_body(message: str, type: str, code: str | None = None, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+logger = logging.getLogger(__name__)
 
 
 def create_app(
@@ -54,11 +34,15 @@ def create_app(
     max_input_tokens: int,
     api_key: str | None = None,
     dynamic_batching: bool = True,
+    limits: Limits | None = None,
+    public_metrics: bool = False,
 ) -> FastAPI:
+    limits = limits or Limits()
     registry = CollectorRegistry()
     requests_total = Counter("embedding_requests_total", "Requests by endpoint", ["endpoint"], registry=registry)
-    errors_total = Counter("embedding_errors_total", "Error responses by type", ["type"], registry=registry)
-    batcher = Batcher(model, max_batch_tokens, max_batch_size, max_input_tokens, registry, dynamic_batching)
+    fail = ErrorResponses(registry)
+    batcher = Batcher(model, max_batch_tokens, max_batch_size, registry, dynamic_batching)
+    tokenizer = RequestTokenizer(model, max_input_tokens)
     normalizes = any(isinstance(module, Normalize) for module in model)
     dimension = model.get_embedding_dimension()
     state = {"ready": False}
@@ -66,47 +50,31 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         batcher.start()
-        await asyncio.wrap_future(batcher.submit(Job(texts=["warm up"], token_ids=None, prompt=None, truncate=True)))
+        ids = await tokenizer(["warm up"], None, None, truncate=True)
+        await asyncio.wrap_future(batcher.submit(Job(token_ids=ids, prompt=None)))
         state["ready"] = True
         yield
         state["ready"] = False
         await asyncio.to_thread(batcher.stop)  # uvicorn has let in-flight requests finish by now
+        tokenizer.close()
 
     app = FastAPI(title="st_fastbackend", lifespan=lifespan)
-
-    def fail(status: int, message: str, type: str, code: str | None = None) -> JSONResponse:
-        errors_total.labels(type=code or type).inc()
-        return JSONResponse(error_body(message, type, code), status_code=status)
-
-    def guard(app_next):
-        """Body size and API key, checked on the headers before the body is read. A plain ASGI wrapper:
-        Starlette's @app.middleware("http") costs a noticeable share of a small request."""
-
-        async def asgi(scope, receive, send):
-            if scope["type"] == "http":
-                headers = Headers(scope=scope)
-                length = headers.get("content-length")
-                if length is not None and int(length) > MAX_BODY_BYTES:
-                    message = f"Request body over {MAX_BODY_BYTES} bytes."
-                    return await fail(413, message, "invalid_request_error", "body_too_large")(scope, receive, send)
-                authorized = api_key is None or headers.get("authorization") == f"Bearer {api_key}"
-                if scope["path"].startswith("/v1/") and not authorized:
-                    message = "Missing or wrong API key."
-                    return await fail(401, message, "authentication_error", "invalid_api_key")(scope, receive, send)
-            await app_next(scope, receive, send)
-
-        return asgi
-
-    app.add_middleware(guard)
+    public = {"/health", "/metrics"} if public_metrics else {"/health"}
+    app.add_middleware(Guard, fail=fail, api_key=api_key, public_paths=public, max_body_bytes=limits.max_body_bytes,
+                       body_timeout=limits.body_timeout)  # fmt: skip
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         details = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        return fail(400, f"Invalid request: {details}", "invalid_request_error")
+        return fail(ApiError(400, f"Invalid request: {details}"))
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return fail(exc.status, exc.message, exc.type, exc.code)
+        return fail(exc)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return fail(server_error(exc))
 
     @app.get("/health")
     async def health() -> Response:
@@ -125,66 +93,80 @@ def create_app(
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest) -> Response:
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         requests_total.labels(endpoint="/v1/embeddings").inc()
         if body.model is not None and body.model != served_model_name:
             raise ApiError(404, f"The model {body.model!r} does not exist; this server serves {served_model_name!r}.",
                            code="model_not_found")  # fmt: skip
-        texts, token_ids = _inputs(body.input)
-        count = len(texts if texts is not None else token_ids)
-        if count > max_batch_size:
-            raise ApiError(400, f"{count} inputs in one request; the limit is {max_batch_size}.")
+        texts, token_ids = request_inputs(body.input, max_batch_size, limits.max_request_chars)
         if body.dimensions is not None and body.dimensions > dimension:
             raise ApiError(400, f"dimensions={body.dimensions} exceeds the model's {dimension}.")
         prompt = _prompt(model, body)
         if prompt and token_ids is not None:
             raise ApiError(400, "prompt and prompt_name apply to text input, not to token ids.")
-        job = Job(texts=texts, token_ids=token_ids, prompt=prompt, truncate=body.truncate)
         try:
-            rows = await asyncio.wrap_future(batcher.submit(job))
+            ids = await tokenizer(texts, token_ids, prompt, body.truncate)
+            rows = await _unless_client_left(batcher.submit(Job(token_ids=ids, prompt=prompt)), request)
         except InputError as error:
             raise ApiError(400, str(error)) from error
-        except RuntimeError as error:
+        except ShuttingDown as error:
             raise ApiError(503, str(error), type="server_error") from error
-        data = []
-        for index, (row, _) in enumerate(rows):
-            vector = row[: body.dimensions] if body.dimensions else row
-            if body.dimensions and normalizes:
-                vector = torch.nn.functional.normalize(vector, dim=0)
-            data.append({"object": "embedding", "index": index, "embedding": _encode(vector, body.encoding_format)})
-        tokens = sum(n for _, n in rows)
-        usage = {"prompt_tokens": tokens, "total_tokens": tokens}
-        # orjson writes the float32 arrays directly (shortest form that reads back to the same float32),
-        # skipping FastAPI's encoder walk and a Python float per value.
-        payload = {"object": "list", "data": data, "model": served_model_name, "usage": usage}
-        return Response(orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json")
+        except Exception as error:
+            logger.exception("Request failed")
+            raise server_error(error) from error
+        if rows is None:
+            return Response(status_code=499)  # nginx's "client closed request"; no one reads it
+        return _response(rows, body, served_model_name, normalizes)
 
     app.state.batcher = batcher
     return app
 
 
-def _inputs(value) -> tuple[list[str] | None, list[list[int]] | None]:
-    if isinstance(value, str):
-        value = [value]
-    if not value:
-        raise ApiError(400, "input is empty.")
-    if isinstance(value[0], str):
-        if any(text == "" for text in value):
-            raise ApiError(400, "input contains an empty string.")
-        return value, None
-    if isinstance(value[0], int):
-        return None, [value]
-    if any(not ids for ids in value):
-        raise ApiError(400, "input contains an empty list of token ids.")
-    return None, value
+async def _unless_client_left(job: asyncio.Future, request: Request) -> list | None:
+    """The job's result, or None once the client disconnects; a job the worker has not taken yet is then
+    cancelled and never reaches the model."""
+    result = asyncio.wrap_future(job)
+    left = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({result, left}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+    if result.done():
+        return result.result()
+    result.cancel()  # cancels the job too, unless the worker is running it
+    return None
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client goes: the body is read, so the server's next event is http.disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _prompt(model, body: EmbeddingRequest) -> str | None:
     """As encode() resolves it: prompt, else prompt_name, else the model's default prompt."""
     try:
-        return model._resolve_prompt(body.prompt, body.prompt_name) or None
+        prompt = model._resolve_prompt(body.prompt, body.prompt_name) or None
     except ValueError as error:
         raise ApiError(400, str(error)) from error
+    if prompt:
+        check_unicode(prompt, "The prompt")
+    return prompt
+
+
+def _response(rows: list, body: EmbeddingRequest, served_model_name: str, normalizes: bool) -> Response:
+    data = []
+    for index, (row, _) in enumerate(rows):
+        vector = row[: body.dimensions] if body.dimensions else row
+        if body.dimensions and normalizes:
+            vector = torch.nn.functional.normalize(vector, dim=0)
+        data.append({"object": "embedding", "index": index, "embedding": _encode(vector, body.encoding_format)})
+    tokens = sum(n for _, n in rows)
+    usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+    # orjson writes the float32 arrays directly (shortest form that reads back to the same float32),
+    # skipping FastAPI's encoder walk and a Python float per value.
+    payload = {"object": "list", "data": data, "model": served_model_name, "usage": usage}
+    return Response(orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json")
 
 
 def _encode(vector: torch.Tensor, encoding_format: str) -> np.ndarray | str:

@@ -1,9 +1,11 @@
-"""Dynamic batching: requests from every client wait in one queue; a single worker thread takes all
-that are waiting, tokenizes each on its own (a bad request fails alone), and runs them together in
-token-budget packs. A text's embedding does not depend on what it was packed with."""
+"""Dynamic batching: requests from every client wait in one queue as token ids; a single worker thread
+takes all that are waiting and runs them together in token-budget packs. A text's embedding does not
+depend on what it was packed with, so a batch that fails is run again job by job: only the job that
+fails alone gets the error."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -11,51 +13,42 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from st_fastbackend.engine.batch import plan_batches
 from st_fastbackend.model import PackRunner
 
+logger = logging.getLogger(__name__)
+SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
-class InputError(ValueError):
-    """The request's own fault (too long, no tokens): answered with 400, the batch goes on."""
+
+class ShuttingDown(RuntimeError):
+    """The server stopped taking requests (SIGTERM): answered with 503."""
 
 
 @dataclass
 class Job:
-    texts: list[str] | None  # either texts, tokenized in the worker ...
-    token_ids: list[list[int]] | None  # ... or token ids as the client sent them
+    token_ids: list[list[int]]  # tokenized with `prompt`, cut at the input limit
     prompt: str | None
-    truncate: bool
-    future: Future = field(default_factory=Future)
+    future: Future = field(default_factory=Future)  # cancelled: the client left, the job is dropped
     queued_at: float = field(default_factory=time.perf_counter)
 
 
 class Batcher:
-    def __init__(
-        self,
-        model,
-        max_batch_tokens: int,
-        max_batch_size: int,
-        max_input_tokens: int,
-        registry: CollectorRegistry,
-        dynamic: bool = True,
-    ):
+    def __init__(self, model, max_batch_tokens: int, max_batch_size: int, registry: CollectorRegistry, dynamic=True):
         self.model = model
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_size = max_batch_size
-        self.max_input_tokens = max_input_tokens
         self.dynamic = dynamic  # False: one request per forward (the baseline the benchmark compares with)
         self._pending: deque[Job] = deque()
         self._wake = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="embedding-worker", daemon=True)
-        seconds = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
         self.queue_wait = Histogram(
-            "embedding_queue_wait_seconds", "Time a request waits for the worker", buckets=seconds, registry=registry
+            "embedding_queue_wait_seconds", "Time a request waits for the worker", buckets=SECONDS, registry=registry
         )
         self.compute = Histogram(
-            "embedding_compute_seconds", "Forward time per packed batch", buckets=seconds, registry=registry
+            "embedding_compute_seconds", "Forward time per packed batch", buckets=SECONDS, registry=registry
         )
         self.batch_tokens = Histogram(
             "embedding_batch_tokens",
@@ -69,6 +62,13 @@ class Batcher:
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 1024),
             registry=registry,
         )
+        self.dropped = Counter(
+            "embedding_dropped_requests_total", "Requests whose client left before the model ran", registry=registry
+        )
+        self.reruns = Counter(
+            "embedding_batch_reruns_total", "Failed batches run again job by job to isolate the failure",
+            registry=registry,
+        )  # fmt: skip
 
     def start(self) -> None:
         self._thread.start()
@@ -76,7 +76,7 @@ class Batcher:
     def submit(self, job: Job) -> Future:
         with self._wake:
             if self._stopping:
-                raise RuntimeError("The server is shutting down.")
+                raise ShuttingDown("The server is shutting down.")
             self._pending.append(job)
             self._wake.notify()
         return job.future
@@ -95,31 +95,38 @@ class Batcher:
                     self._wake.wait()
                 if not self._pending:
                     return
-                jobs = list(self._pending) if self.dynamic else [self._pending[0]]
-                for _ in jobs:
+                taken = list(self._pending) if self.dynamic else [self._pending[0]]
+                for _ in taken:
                     self._pending.popleft()
             now = time.perf_counter()
-            for job in jobs:
+            jobs = []
+            for job in taken:
                 self.queue_wait.observe(now - job.queued_at)
-            try:
-                self._embed(jobs)
-            except Exception as error:  # the worker must outlive any failure
+                if job.future.set_running_or_notify_cancel():
+                    jobs.append(job)
+                else:
+                    self.dropped.inc()
+            self._embed_isolated(jobs)
+
+    def _embed_isolated(self, jobs: list[Job]) -> None:
+        """Run the jobs together; if that fails, each alone, so the failure reaches only its own job."""
+        try:
+            self._embed(jobs)
+        except Exception as error:  # the worker must outlive any failure
+            if len(jobs) > 1:
+                self.reruns.inc()
                 for job in jobs:
-                    if not job.future.done():
-                        job.future.set_exception(error)
+                    self._embed_isolated([job])
+            elif jobs:
+                logger.exception("Embedding a request failed")
+                jobs[0].future.set_exception(error)
 
     def _embed(self, jobs: list[Job]) -> None:
-        """Tokenize each job alone, then pack all sequences sharing a prompt by the token budget."""
+        """Pack all sequences sharing a prompt by the token budget; the futures are set only once all succeeded."""
         sequences: dict[str | None, list[tuple[Job, int, list[int]]]] = {}
-        results: dict[int, list] = {}
+        results: dict[int, list] = {id(job): [None] * len(job.token_ids) for job in jobs}
         for job in jobs:
-            try:
-                ids = self._token_ids(job)
-            except InputError as error:
-                job.future.set_exception(error)
-                continue
-            results[id(job)] = [None] * len(ids)
-            sequences.setdefault(job.prompt, []).extend((job, i, seq) for i, seq in enumerate(ids))
+            sequences.setdefault(job.prompt, []).extend((job, i, seq) for i, seq in enumerate(job.token_ids))
         for prompt, items in sequences.items():
             items.sort(key=lambda item: -len(item[2]))
             all_ids = [seq for _, _, seq in items]
@@ -137,28 +144,4 @@ class Batcher:
                             results[id(job)][index] = (row, len(seq))
                         start = time.perf_counter()
         for job in jobs:
-            if not job.future.done():
-                job.future.set_result(results[id(job)])
-
-    def _token_ids(self, job: Job) -> list[list[int]]:
-        limit = self.max_input_tokens
-        # Token ids come as sent (the endpoint refused empty lists); texts are tokenized one token past
-        # the limit, which tells "too long" apart from "exactly at the limit".
-        ids = job.token_ids if job.token_ids is not None else self._tokenize(job, job.texts, limit + 1)
-        vocab_size = self.model[0].config.vocab_size
-        for index, seq in enumerate(ids):
-            if job.token_ids is not None and not all(0 <= t < vocab_size for t in seq):
-                raise InputError(f"Input {index} has token ids outside the vocabulary (0 to {vocab_size - 1}).")
-            if len(seq) > limit:
-                if not job.truncate:
-                    raise InputError(f"Input {index} has more than {limit} tokens and truncate is false.")
-                cut = seq[:limit] if job.token_ids is not None else self._tokenize(job, [job.texts[index]], limit)[0]
-                ids = ids[:index] + [cut] + ids[index + 1 :]
-        return ids
-
-    def _tokenize(self, job: Job, texts: list[str], limit: int) -> list[list[int]]:
-        """PackedTransformer's tokenization (prompt, special tokens, no-token check) at a length limit."""
-        try:
-            return self.model[0].tokenize_texts(texts, job.prompt, max_length=limit)
-        except ValueError as error:
-            raise InputError(str(error)) from error
+            job.future.set_result(results[id(job)])

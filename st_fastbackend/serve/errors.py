@@ -1,0 +1,29 @@
+"""Errors in OpenAI's shape, {"error": {"message", "type", "param", "code"}}, each counted in /metrics."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+from prometheus_client import CollectorRegistry, Counter
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code = status, message, type, code
+
+
+def server_error(error: BaseException) -> ApiError:
+    """Our own failure on one request: 500, naming the exception (its traceback goes to the log)."""
+    return ApiError(500, f"The server failed on this request ({type(error).__name__}).", type="server_error")
+
+
+class ErrorResponses:
+    """Builds error responses and counts them by code (or type) in `embedding_errors_total`."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.total = Counter("embedding_errors_total", "Error responses by type", ["type"], registry=registry)
+
+    def __call__(self, error: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
+        self.total.labels(type=error.code or error.type).inc()
+        body = {"error": {"message": error.message, "type": error.type, "param": None, "code": error.code}}
+        return JSONResponse(body, status_code=error.status, headers=headers)

