@@ -8,7 +8,6 @@ PackedPooling; every other module (Dense, Normalize, ...) stays as it is.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -21,15 +20,12 @@ from sentence_transformers.util import get_device_name
 from torch import Tensor
 from tqdm.autonotebook import tqdm
 
-from st_fastbackend.engine.batch import plan_batches
+from st_fastbackend.engine.schedule import Schedule, default_max_tokens
 from st_fastbackend.engine.spec import UnsupportedModelError
 from st_fastbackend.modules import PackedPooling, PackedTransformer, check_texts
 
 FAST_MODULES: dict[type, type] = {Transformer: PackedTransformer, Pooling: PackedPooling}
 TOKENIZE_CHUNK = 4096  # texts tokenized together (while the previous chunk runs) and sorted by length
-# Default token budget per packed batch on a CPU: large enough for efficient matrix products, small
-# enough that activations stay in the tens of MiB for small models. GPUs size it from free memory.
-DEFAULT_MAX_TOKENS = {"cpu": 8192}
 
 
 class SentenceTransformer(sentence_transformers.SentenceTransformer):
@@ -116,7 +112,8 @@ class SentenceTransformer(sentence_transformers.SentenceTransformer):
         device = self._resolve_inference_device(device)
         self.eval()
         transformer: PackedTransformer = self[0]
-        runner = PackRunner(self, prompt, device, max_tokens_per_batch or self.token_budget(device))
+        max_tokens = max_tokens_per_batch or self._max_tokens_for(device)
+        schedule = Schedule(self, prompt, device, batch_size, max_tokens)  # one for the call: keeps a learned budget
         chunks = [range(s, min(s + TOKENIZE_CHUNK, len(inputs))) for s in range(0, len(inputs), TOKENIZE_CHUNK)]
         results: list = [None] * len(inputs)
 
@@ -135,13 +132,11 @@ class SentenceTransformer(sentence_transformers.SentenceTransformer):
                 sequences = pending.result()
                 if position + 1 < len(chunks):
                     pending = background.submit(tokenize, chunks[position + 1])
-                order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
-                for batch in plan_batches([len(sequences[i]) for i in order], batch_size, runner.budget):
-                    for picked, out in runner(sequences, [order[j] for j in batch], **kwargs):
-                        rows = _rows(out, output_value, truncate_dim, normalize_embeddings, save_to_cpu)
-                        for i, row in zip(picked, rows, strict=True):
-                            results[chunk[i]] = row
-                        progress.update(len(picked))
+                for picked, out in schedule.run(sequences, **kwargs):
+                    rows = _rows(out, output_value, truncate_dim, normalize_embeddings, save_to_cpu)
+                    for i, row in zip(picked, rows, strict=True):
+                        results[chunk[i]] = row
+                    progress.update(len(picked))
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the rows were copied to the host without waiting, pack by pack
         if output_value == "sentence_embedding":
@@ -162,15 +157,13 @@ class SentenceTransformer(sentence_transformers.SentenceTransformer):
     @property
     def max_tokens_per_batch(self) -> int:
         """Tokens per packed batch in encode(): bounds peak memory whatever the text lengths."""
-        return self.token_budget(self.device)
+        return self._max_tokens_for(self.device)
 
-    def token_budget(self, device: torch.device) -> int:
+    def _max_tokens_for(self, device: torch.device) -> int:
         """The budget set by the user, else a default for the device: fixed on CPUs, from free memory on GPUs."""
         if self._max_tokens_per_batch is not None:
             return self._max_tokens_per_batch
-        if device.type == "cuda":
-            return cuda_token_budget(self[0].config, next(self[0].parameters()).dtype, device)
-        return DEFAULT_MAX_TOKENS["cpu"]
+        return default_max_tokens(self[0].config, next(self[0].parameters()).dtype, device)
 
     @max_tokens_per_batch.setter
     def max_tokens_per_batch(self, value: int | None) -> None:
@@ -181,52 +174,6 @@ class SentenceTransformer(sentence_transformers.SentenceTransformer):
     def get_model_kwargs(self) -> list[str]:
         extra = ["max_tokens_per_batch"] if self.backend == "fast" else []
         return [*super().get_model_kwargs(), *extra]
-
-
-class PackRunner:
-    """Runs packs of token sequences through the model, in order. A pack that runs out of device memory
-    is split in two and the halves retried, first half first, so no text is lost or reordered; the
-    budget learned (half the failed pack's tokens) holds for every later pack of this runner."""
-
-    def __init__(self, model: SentenceTransformer, prompt: str | None, device: torch.device, budget: int) -> None:
-        self.model, self.prompt, self.device, self.budget = model, prompt, device, budget
-
-    def __call__(self, sequences: list[list[int]], pack: list[int], **kwargs) -> Iterator[tuple[list[int], dict]]:
-        """(indices into `sequences`, the model's outputs for them), for `pack` or the parts it was split into."""
-        packs = [pack]
-        while packs:
-            picked = packs.pop()
-            tokens = sum(len(sequences[i]) for i in picked)
-            if len(picked) > 1 and tokens > self.budget:  # over the budget learned from a failure
-                packs += _halves(picked)
-                continue
-            try:
-                out = self.model.forward_sequences([sequences[i] for i in picked], self.prompt, self.device, **kwargs)
-            except torch.OutOfMemoryError:
-                if len(picked) == 1:
-                    raise
-                self.budget = max(1, tokens // 2)
-                if self.device.type == "cuda":
-                    torch.cuda.empty_cache()
-                packs += _halves(picked)
-                continue
-            yield picked, out
-
-
-def _halves(picked: list[int]) -> list[list[int]]:
-    """The two halves of a pack, the first half last: popped first from a stack of packs."""
-    middle = len(picked) // 2
-    return [picked[middle:], picked[:middle]]
-
-
-def cuda_token_budget(config, dtype: torch.dtype, device: torch.device, fraction: float = 0.5) -> int:
-    """Tokens per pack whose activations fit in `fraction` of the GPU memory still free. Per token, a
-    layer holds at most about 4 x (hidden + intermediate) values at once (hidden states and their norm,
-    fused q/k/v, fused gate/up with the activation and its product); attention kernels add O(tokens)."""
-    free, _ = torch.cuda.mem_get_info(device)
-    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # cached by PyTorch
-    per_token = 4 * (config.hidden_size + config.intermediate_size) * dtype.itemsize
-    return max(DEFAULT_MAX_TOKENS["cpu"], int(free * fraction) // per_token)
 
 
 def _load_on_device(kwargs: dict[str, Any]) -> dict[str, Any]:

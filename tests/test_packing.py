@@ -9,6 +9,7 @@ from transformers import MistralConfig
 
 import st_fastbackend.model
 from st_fastbackend import SentenceTransformer
+from st_fastbackend.engine import schedule
 from st_fastbackend.engine.batch import plan_batches
 from st_fastbackend.serve.batcher import Batcher, Job
 
@@ -50,7 +51,7 @@ def test_encode_respects_the_budget_and_keeps_order(model, texts, monkeypatch, b
 
 
 def test_budget_is_a_model_property(model, texts):
-    assert model.max_tokens_per_batch == st_fastbackend.model.DEFAULT_MAX_TOKENS["cpu"]
+    assert model.max_tokens_per_batch == schedule.CPU_TOKENS
     model.max_tokens_per_batch = 50
     seen, handle = record_batches(model)
     try:
@@ -118,8 +119,8 @@ def test_server_worker_splits_a_pack_that_runs_out_of_memory(model, texts, monke
         return real_forward(sequences, *args, **kwargs)
 
     monkeypatch.setattr(model, "forward_sequences", forward)
-    batcher = Batcher(model, 100_000, 1000, model.max_seq_length, CollectorRegistry())
-    futures = [batcher.submit(Job(texts=[text], token_ids=None, prompt=None, truncate=True)) for text in texts]
+    batcher = Batcher(model, 100_000, 1000, CollectorRegistry())
+    futures = [batcher.submit(Job(token_ids=model[0].tokenize_texts([text]), prompt=None)) for text in texts]
     batcher.start()  # all requests are queued: the worker takes them as one batch
     batcher.stop()
     assert failures
@@ -135,9 +136,9 @@ def test_gpu_budget_comes_from_free_memory(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 16 * gib)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 14 * gib)
     config = MistralConfig(hidden_size=4096, intermediate_size=14336)
-    budget = st_fastbackend.model.cuda_token_budget(config, torch.bfloat16, torch.device("cuda"))
+    budget = schedule.cuda_max_tokens(config, torch.bfloat16, torch.device("cuda"))
     per_token = 4 * (4096 + 14336) * 2  # bytes of the largest activations of a layer
     assert 32768 * 8 <= budget <= 122 * gib / 2 / per_token  # a few 32k-token texts per pack, half the memory
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (gib // 4, 139 * gib))
-    small = st_fastbackend.model.cuda_token_budget(config, torch.bfloat16, torch.device("cuda"))
-    assert small == st_fastbackend.model.DEFAULT_MAX_TOKENS["cpu"]  # never below the CPU default
+    small = schedule.cuda_max_tokens(config, torch.bfloat16, torch.device("cuda"))
+    assert small == schedule.MIN_GPU_TOKENS

@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from st_fastbackend.engine.batch import plan_batches
-from st_fastbackend.model import PackRunner
+from st_fastbackend.engine.schedule import Schedule
 
 logger = logging.getLogger(__name__)
 SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -128,20 +127,18 @@ class Batcher:
         for job in jobs:
             sequences.setdefault(job.prompt, []).extend((job, i, seq) for i, seq in enumerate(job.token_ids))
         for prompt, items in sequences.items():
-            items.sort(key=lambda item: -len(item[2]))
             all_ids = [seq for _, _, seq in items]
-            runner = PackRunner(self.model, prompt, self.model.device, self.max_batch_tokens)
-            for batch in plan_batches([len(seq) for seq in all_ids], self.max_batch_size, self.max_batch_tokens):
-                start = time.perf_counter()
-                with torch.inference_mode():
-                    for picked, out in runner(all_ids, list(batch)):  # split in two on out-of-memory
-                        embeddings = out["sentence_embedding"].float().cpu()
-                        self.compute.observe(time.perf_counter() - start)
-                        self.batch_tokens.observe(sum(len(all_ids[i]) for i in picked))
-                        self.batch_texts.observe(len(picked))
-                        for i, row in zip(picked, embeddings, strict=True):
-                            job, index, seq = items[i]
-                            results[id(job)][index] = (row, len(seq))
-                        start = time.perf_counter()
+            schedule = Schedule(self.model, prompt, self.model.device, self.max_batch_size, self.max_batch_tokens)
+            start = time.perf_counter()
+            with torch.inference_mode():
+                for picked, out in schedule.run(all_ids):
+                    embeddings = out["sentence_embedding"].float().cpu()
+                    self.compute.observe(time.perf_counter() - start)
+                    self.batch_tokens.observe(sum(len(all_ids[i]) for i in picked))
+                    self.batch_texts.observe(len(picked))
+                    for i, row in zip(picked, embeddings, strict=True):
+                        job, index, seq = items[i]
+                        results[id(job)][index] = (row, len(seq))
+                    start = time.perf_counter()
         for job in jobs:
             job.future.set_result(results[id(job)])

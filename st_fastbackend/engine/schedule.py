@@ -1,0 +1,73 @@
+"""The one packing schedule, for encode() and the server's worker alike: token sequences sorted by length,
+cut into packs of at most `max_texts` texts and `max_tokens_per_batch` tokens, each pack run with
+out-of-memory back-off; yields (indices into the sequences, the model's outputs for them)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from st_fastbackend.engine.batch import plan_batches
+
+# Tokens per pack on a CPU: large enough for efficient matrix products, small enough that activations stay
+# in the tens of MiB for small models. A GPU sizes it from its free memory, never below MIN_GPU_TOKENS.
+CPU_TOKENS = 8192
+MIN_GPU_TOKENS = 8192
+
+
+class Schedule:
+    """Runs token sequences through `model.forward_sequences` in packs. A pack that runs out of device
+    memory is split in two and the halves retried, first half first, so no text is lost or reordered; the
+    budget learned (half the failed pack's tokens) holds for every later pack of this schedule."""
+
+    def __init__(self, model, prompt: str | None, device: torch.device, max_texts: int, max_tokens: int) -> None:
+        self.model, self.prompt, self.device = model, prompt, device
+        self.max_texts, self.max_tokens = max_texts, max_tokens
+
+    def run(self, sequences: list[list[int]], **kwargs) -> Iterator[tuple[list[int], dict]]:
+        """Longest first (equal lengths side by side, which the CPU attention runs as one call)."""
+        order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
+        for pack in plan_batches([len(sequences[i]) for i in order], self.max_texts, self.max_tokens):
+            yield from self._run_pack(sequences, [order[j] for j in pack], **kwargs)
+
+    def _run_pack(self, sequences: list[list[int]], pack: list[int], **kwargs) -> Iterator[tuple[list[int], dict]]:
+        packs = [pack]
+        while packs:
+            picked = packs.pop()
+            tokens = sum(len(sequences[i]) for i in picked)
+            if len(picked) > 1 and tokens > self.max_tokens:  # over the budget learned from a failure
+                packs += _halves(picked)
+                continue
+            try:
+                out = self.model.forward_sequences([sequences[i] for i in picked], self.prompt, self.device, **kwargs)
+            except torch.OutOfMemoryError:
+                if len(picked) == 1:
+                    raise
+                self.max_tokens = max(1, tokens // 2)
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                packs += _halves(picked)
+                continue
+            yield picked, out
+
+
+def _halves(picked: list[int]) -> list[list[int]]:
+    """The two halves of a pack, the first half last: popped first from a stack of packs."""
+    middle = len(picked) // 2
+    return [picked[middle:], picked[:middle]]
+
+
+def default_max_tokens(config, dtype: torch.dtype, device: torch.device) -> int:
+    """CPU_TOKENS on a CPU; on a GPU, what half its free memory holds."""
+    return cuda_max_tokens(config, dtype, device) if device.type == "cuda" else CPU_TOKENS
+
+
+def cuda_max_tokens(config, dtype: torch.dtype, device: torch.device, fraction: float = 0.5) -> int:
+    """Tokens per pack whose activations fit in `fraction` of the GPU memory still free. Per token, a
+    layer holds at most about 4 x (hidden + intermediate) values at once (hidden states and their norm,
+    fused q/k/v, fused gate/up with the activation and its product); attention kernels add O(tokens)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # cached by PyTorch
+    per_token = 4 * (config.hidden_size + config.intermediate_size) * dtype.itemsize
+    return max(MIN_GPU_TOKENS, int(free * fraction) // per_token)
