@@ -11,13 +11,12 @@ import numpy as np
 import orjson
 import torch
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from sentence_transformers.base.modules import Normalize
 
 from st_fastbackend.serve.batcher import Batcher, Job, ShuttingDown
-from st_fastbackend.serve.errors import ApiError, ErrorResponses, server_error
+from st_fastbackend.serve.errors import ApiError, ErrorResponses, add_error_handlers, server_error
 from st_fastbackend.serve.guard import Guard
 from st_fastbackend.serve.limits import Limits
 from st_fastbackend.serve.schema import EmbeddingRequest, check_unicode, request_inputs
@@ -47,34 +46,12 @@ def create_app(
     dimension = model.get_embedding_dimension()
     state = {"ready": False}
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        batcher.start()
-        ids = await tokenizer(["warm up"], None, None, truncate=True)
-        await asyncio.wrap_future(batcher.submit(Job(token_ids=ids, prompt=None)))
-        state["ready"] = True
-        yield
-        state["ready"] = False
-        await asyncio.to_thread(batcher.stop)  # uvicorn has let in-flight requests finish by now
-        tokenizer.close()
-
-    app = FastAPI(title="st_fastbackend", lifespan=lifespan)
+    app = FastAPI(title="st_fastbackend", lifespan=_lifespan(batcher, tokenizer, state))
     public = {"/health", "/metrics"} if public_metrics else {"/health"}
     app.add_middleware(Guard, fail=fail, api_key=api_key, public_paths=public, max_body_bytes=limits.max_body_bytes,
                        body_timeout=limits.body_timeout)  # fmt: skip
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        details = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        return fail(ApiError(400, f"Invalid request: {details}"))
-
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return fail(exc)
-
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        return fail(server_error(exc))
+    add_error_handlers(app, fail)
 
     @app.get("/health")
     async def health() -> Response:
@@ -120,6 +97,21 @@ def create_app(
 
     app.state.batcher = batcher
     return app
+
+
+def _lifespan(batcher: Batcher, tokenizer: RequestTokenizer, state: dict):
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        batcher.start()
+        ids = await tokenizer(["warm up"], None, None, truncate=True)
+        await asyncio.wrap_future(batcher.submit(Job(token_ids=ids, prompt=None)))
+        state["ready"] = True
+        yield
+        state["ready"] = False
+        await asyncio.to_thread(batcher.stop)  # uvicorn has let in-flight requests finish by now
+        tokenizer.close()
+
+    return lifespan
 
 
 async def _unless_client_left(job: asyncio.Future, request: Request) -> list | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, Counter
 
@@ -27,3 +29,18 @@ class ErrorResponses:
         self.total.labels(type=error.code or error.type).inc()
         body = {"error": {"message": error.message, "type": error.type, "param": None, "code": error.code}}
         return JSONResponse(body, status_code=error.status, headers=headers)
+
+
+def add_error_handlers(app: FastAPI, fail: ErrorResponses) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        details = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        return fail(ApiError(400, f"Invalid request: {details}"))
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return fail(exc)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return fail(server_error(exc))
