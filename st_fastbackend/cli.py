@@ -38,7 +38,9 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--device", default=None)
     serve.add_argument("--dtype", default=None, help="e.g. float32, bfloat16, float16, auto")
     serve.add_argument("--matmul-precision", default=None, choices=MATMUL_PRECISIONS, help=MATMUL_HELP)
-    serve.add_argument("--max-batch-tokens", type=int, default=None, help="tokens per packed batch")
+    serve.add_argument(
+        "--max-tokens-per-batch", "--max-batch-tokens", type=int, default=None, help="tokens per packed batch"
+    )
     serve.add_argument("--max-batch-size", type=int, default=256, help="inputs per request and per batch")
     serve.add_argument("--max-input-tokens", type=int, default=None, help="default: the model's max_seq_length")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on all but /health")
@@ -88,7 +90,7 @@ def _serve(args: argparse.Namespace) -> None:
     app = create_app(
         model,
         served_model_name=args.served_model_name or args.model,
-        max_batch_tokens=args.max_batch_tokens or model.max_tokens_per_batch,
+        max_tokens_per_batch=args.max_tokens_per_batch or model.max_tokens_per_batch,
         max_batch_size=args.max_batch_size,
         max_input_tokens=max_input_tokens,
         api_key=args.api_key,

@@ -15,6 +15,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from helpers import DEVICE
 
 from st_fastbackend import SentenceTransformer
 
@@ -32,7 +33,7 @@ def free_port() -> int:
 def start_server(folder, *extra: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     command = [sys.executable, "-m", "st_fastbackend.cli", "serve", str(folder), "--port", str(port),
-               "--served-model-name", "tiny", "--device", "cpu", *extra]  # fmt: skip
+               "--served-model-name", "tiny", "--device", DEVICE, *extra]  # fmt: skip
     process = subprocess.Popen(command, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
@@ -117,7 +118,7 @@ def server(folder):
 
 @pytest.fixture(scope="module")
 def model(folder):
-    return SentenceTransformer(str(folder), backend="fast", device="cpu")
+    return SentenceTransformer(str(folder), backend="fast", device=DEVICE)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import httpx
 import numpy as np
 import pytest
 from builders import WORDS
+from helpers import DEVICE
 from safetensors.torch import load_file, save_file
 from test_serve import KEY, PROMPTS, busy_worker, metric, open_socket, request_head, start_server
 
@@ -26,7 +27,7 @@ def folder(st_model):
 
 @pytest.fixture(scope="module")
 def model(folder):
-    return SentenceTransformer(str(folder), backend="fast", device="cpu")
+    return SentenceTransformer(str(folder), backend="fast", device=DEVICE)
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +90,7 @@ def test_a_failing_forward_fails_only_its_own_request(narrow_bert, texts):
             responses = list(
                 pool.map(lambda t: httpx.post(f"{url}/v1/embeddings", json={"input": t}, timeout=300), short)
             )
-        expected = SentenceTransformer(str(narrow_bert), backend="fast", device="cpu").encode(short)
+        expected = SentenceTransformer(str(narrow_bert), backend="fast", device=DEVICE).encode(short)
         for response, row in zip(responses, expected, strict=True):
             assert response.status_code == 200
             np.testing.assert_allclose(response.json()["data"][0]["embedding"], row, atol=1e-5, rtol=0)

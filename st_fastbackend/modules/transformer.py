@@ -193,7 +193,7 @@ class PackedTransformer(InputModule):
         for index, ids in enumerate(sequences):
             if not ids:
                 raise ValueError(
-                    f"Input {first_index + index} ({texts[index]!r}) has no tokens; there is nothing to embed."
+                    f"Input {first_index + index} ({texts[index][:80]!r}) has no tokens; there is nothing to embed."
                 )
         return sequences
 

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 def create_app(
     model,
     served_model_name: str,
-    max_batch_tokens: int,
+    max_tokens_per_batch: int,
     max_batch_size: int,
     max_input_tokens: int,
     api_key: str | None = None,
@@ -40,7 +40,7 @@ def create_app(
     registry = CollectorRegistry()
     requests_total = Counter("embedding_requests_total", "Requests by endpoint", ["endpoint"], registry=registry)
     fail = ErrorResponses(registry)
-    batcher = Batcher(model, max_batch_tokens, max_batch_size, registry, dynamic_batching)
+    batcher = Batcher(model, max_tokens_per_batch, max_batch_size, registry, dynamic_batching)
     tokenizer = RequestTokenizer(model, max_input_tokens)
     normalizes = any(isinstance(module, Normalize) for module in model)
     dimension = model.get_embedding_dimension()

@@ -34,9 +34,11 @@ class Job:
 
 
 class Batcher:
-    def __init__(self, model, max_batch_tokens: int, max_batch_size: int, registry: CollectorRegistry, dynamic=True):
+    def __init__(
+        self, model, max_tokens_per_batch: int, max_batch_size: int, registry: CollectorRegistry, dynamic=True
+    ):
         self.model = model
-        self.max_batch_tokens = max_batch_tokens
+        self.max_tokens_per_batch = max_tokens_per_batch
         self.max_batch_size = max_batch_size
         self.dynamic = dynamic  # False: one request per forward (the baseline the benchmark compares with)
         self._pending: deque[Job] = deque()
@@ -128,7 +130,7 @@ class Batcher:
             sequences.setdefault(job.prompt, []).extend((job, i, seq) for i, seq in enumerate(job.token_ids))
         for prompt, items in sequences.items():
             all_ids = [seq for _, _, seq in items]
-            schedule = Schedule(self.model, prompt, self.model.device, self.max_batch_size, self.max_batch_tokens)
+            schedule = Schedule(self.model, prompt, self.model.device, self.max_batch_size, self.max_tokens_per_batch)
             start = time.perf_counter()
             with torch.inference_mode():
                 for picked, out in schedule.run(all_ids):
