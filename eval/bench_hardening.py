@@ -21,7 +21,6 @@ import os
 import random
 import signal
 import socket
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -32,26 +31,10 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_server import DEFAULT_DATA_DIR, sentences  # noqa: E402
+from bench_server import DEFAULT_DATA_DIR, sentences, start_server  # noqa: E402
 
 JSON_HEADER = {"Content-Type": "application/json"}
 BAD = ('{"input": "caf\\ud800 au lait"}', '{"input": "fine", "prompt": "query\\udfff: "}', '{"input": [true, false]}')
-
-
-def start_server(model: str, *extra: str) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    command = [sys.executable, "-m", "st_fastbackend.cli", "serve", model, "--port", str(port), "--device", "cpu"]
-    process = subprocess.Popen([*command, *extra])
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                return process, url
-        except httpx.TransportError:
-            time.sleep(0.2)
-    raise TimeoutError("server did not start")
 
 
 def rss_mib(pid: int) -> float:

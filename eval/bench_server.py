@@ -32,12 +32,12 @@ def sentences(data_dir: Path) -> list[str]:
         return [r["sentence1"] for r in csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE)]
 
 
-def start(model: str, dynamic: bool) -> tuple[subprocess.Popen, str]:
+def start_server(model: str, *extra: str) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     command = [sys.executable, "-m", "st_fastbackend.cli", "serve", model, "--port", str(port), "--device", "cpu"]
-    process = subprocess.Popen(command + ([] if dynamic else ["--no-dynamic-batching"]))
+    process = subprocess.Popen([*command, *extra])
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:
@@ -95,7 +95,7 @@ def main() -> None:
     texts = sentences(args.data_dir)
     rows = []
     for dynamic in (True, False):
-        process, url = start(args.model, dynamic)
+        process, url = start_server(args.model, *([] if dynamic else ["--no-dynamic-batching"]))
         try:
             load(url, texts, 4, 2.0)  # warm-up
             for clients in args.clients:
