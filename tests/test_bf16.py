@@ -8,7 +8,7 @@ from transformers import AutoConfig
 
 from st_fastbackend import SentenceTransformer
 from st_fastbackend.engine.layers import _onednn_dtypes
-from st_fastbackend.modules.transformer import _resolve_dtype
+from st_fastbackend.engine.runtime import resolve_dtype
 
 
 def bf16_products_allowed_here() -> bool:
@@ -58,11 +58,11 @@ def test_fp16_for_a_family_that_overflows_only_when_asked_by_name(st_model, capl
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
     config = AutoConfig.from_pretrained(folder)
     config.dtype = torch.float16
-    assert _resolve_dtype({"dtype": "auto"}, config) == torch.bfloat16
+    assert resolve_dtype({"dtype": "auto"}, config) == torch.bfloat16
     config.model_type = "mistral"
-    assert _resolve_dtype({"dtype": "auto"}, config) == torch.float16
+    assert resolve_dtype({"dtype": "auto"}, config) == torch.float16
     config.dtype = torch.bfloat16
-    assert _resolve_dtype({"dtype": "auto"}, config) == torch.bfloat16
+    assert resolve_dtype({"dtype": "auto"}, config) == torch.bfloat16
 
 
 @pytest.fixture

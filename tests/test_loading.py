@@ -135,7 +135,7 @@ def test_other_backends_are_plain_sentence_transformers(st_model, texts):
 def test_dtype_default_is_fp32_and_auto_follows_the_cpu(tmp_path, monkeypatch):
     import transformers
 
-    from st_fastbackend.modules.transformer import cpu_has_native_bf16
+    from st_fastbackend.engine.runtime import cpu_has_native_bf16
 
     folder = build_hf_model(tmp_path / "hf", "llama")
     transformers.AutoModel.from_pretrained(folder).to(torch.float16).save_pretrained(folder)

@@ -1,4 +1,4 @@
-"""The attention kernel for a device and dtype, and what the installed kernel accepts: decided once.
+"""The model dtype, and the attention kernel for a device and dtype with what the installed kernel accepts.
 
 Capabilities are read from the installed functions, never inferred from a version number. The
 signatures of PyTorch's `torch.nn.attention.varlen.varlen_attn` (read from its source):
@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
+from st_fastbackend.engine.spec import FP16_OVERFLOWS, UnsupportedModelError
+
+logger = logging.getLogger(__name__)
 Kernel = Literal["flash_attn", "torch_varlen", "sdpa_loop"]
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 VARLEN_DEVICES = ("cuda",)  # where the flash kernels exist (tests add "cpu" to run stand-ins of them)
@@ -70,3 +74,36 @@ def _has_flash_attn() -> bool:
     except ImportError:
         return False
     return True
+
+
+def resolve_dtype(model_kwargs: dict[str, Any], config) -> torch.dtype:
+    """sentence-transformers' model_kwargs dtype: a torch.dtype, its name, or "auto".
+
+    "auto" takes the checkpoint's dtype on a CUDA machine (as transformers does), except fp16 for a
+    family known to overflow in it, which gets bf16 (fp32 where the GPU has no bf16). On a CPU-only
+    machine "auto" takes bf16 where the CPU multiplies bf16 natively (AVX512-BF16 or AMX), else fp32.
+    """
+    asked = model_kwargs.get("dtype", model_kwargs.get("torch_dtype")) or torch.float32
+    dtype = asked
+    if asked == "auto":
+        if torch.cuda.is_available():
+            dtype = getattr(config, "dtype", None) or torch.float32
+        else:
+            dtype = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+            logger.info(f'dtype="auto" on a CPU-only machine: {dtype} (native bf16: {cpu_has_native_bf16()})')
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise UnsupportedModelError(f"dtype {dtype!r}")
+    if dtype == torch.float16 and config.model_type in FP16_OVERFLOWS:
+        why = f"{config.model_type} models overflow in float16 (inf/NaN embeddings); their authors advise bfloat16"
+        if asked != "auto":
+            logger.warning(f"{why}. Running in float16 as asked.")
+            return dtype
+        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+        logger.warning(f'{why}. dtype="auto" takes {dtype} instead; pass dtype=torch.float16 to insist.')
+    return dtype
+
+
+def cpu_has_native_bf16() -> bool:
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private, hence the getattr
+    return any(getattr(torch.cpu, check, lambda: False)() for check in checks)

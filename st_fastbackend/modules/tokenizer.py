@@ -1,4 +1,6 @@
-"""Reading only the start of a long text when it will be truncated anyway.
+"""Tokenizer checks and repairs around transformers' tokenizers: inputs that are not strings, folders
+without tokenizer files, do_lower_case, e5-mistral's BOS/EOS flags; and reading only the start of a long
+text when it will be truncated anyway.
 
 A tokenizer reads the whole text before it truncates: an 8 MB string costs seconds even with a limit of
 256 tokens. `clip_text` finds a prefix of the text that already holds more than the limit's tokens, cut
@@ -7,8 +9,16 @@ where whitespace begins, so the truncated token ids are those of the full text.
 
 from __future__ import annotations
 
+import json
+import logging
 import re
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
 
 _WHITESPACE = re.compile(r"\s")
 
@@ -38,3 +48,69 @@ def cut_at_whitespace(text: str, max_chars: int) -> str:
     window = text[max_chars::-1]  # the first max_chars + 1 characters, backwards
     found = _WHITESPACE.search(window)
     return text[: len(window) - 1 - found.start()].rstrip() if found else ""
+
+
+def check_texts(inputs: list) -> None:
+    for index, text in enumerate(inputs):
+        if not isinstance(text, str):
+            kinds = {dict: "a dict (multimodal input)", list: "a list (a pair of texts?)", tuple: "a tuple (a pair?)"}
+            kind = kinds.get(type(text), type(text).__name__)
+            raise TypeError(
+                f"The fast backend embeds plain strings; input {index} is {kind}. "
+                'Text pairs and dict inputs are not supported by it; backend="torch" accepts them.'
+            )
+
+
+# The files one of transformers' tokenizers is built from: a tokenizer.json, or a vocabulary of its own.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.txt",
+                   "vocab.json")  # fmt: skip
+
+
+def check_tokenizer_files(folder: Path) -> None:
+    """transformers 5 builds a 5-token tokenizer for a folder without tokenizer files, and every text then
+    embeds to nearly the same vector; refuse such a folder instead."""
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"{folder} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}): "
+            "copy the model's tokenizer into the folder."
+        )
+
+
+def lowercase_input(tokenizer: PreTrainedTokenizerBase) -> None:
+    """do_lower_case, as sentence-transformers applies it: a Lowercase normalizer in front."""
+    from tokenizers.normalizers import Lowercase, Sequence
+
+    normalizer = tokenizer.backend_tokenizer.normalizer
+    tokenizer.backend_tokenizer.normalizer = Lowercase() if normalizer is None else Sequence([Lowercase(), normalizer])
+
+
+def missing_special_tokens(folder: Path, tokenizer: PreTrainedTokenizerBase) -> tuple[bool, bool]:
+    """(add BOS, add EOS): what tokenizer_config.json asks for and the loaded tokenizer does not add.
+
+    e5-mistral-7b-instruct sets "add_eos_token": true while its tokenizer.json post-processor adds
+    only <s>; transformers >= 5 follows tokenizer.json and drops the </s> that last-token pooling
+    reads. The model card tokenizes to max_length - 1 and appends </s>; so do we.
+    """
+    asked = tokenizer_config(folder)
+    probe = tokenizer("a")["input_ids"]
+    add_bos = asked.get("add_bos_token") is True and tokenizer.bos_token_id not in (None, probe[0])
+    add_eos = asked.get("add_eos_token") is True and tokenizer.eos_token_id not in (None, probe[-1])
+    for name, missing in (("BOS", add_bos), ("EOS", add_eos)):
+        if missing:
+            logger.info(
+                f"tokenizer_config.json asks for {name} but the tokenizer does not add it: the fast backend adds it."
+            )
+    return add_bos, add_eos
+
+
+def keep_special_token_flags(source: Path, target: Path) -> None:
+    """transformers >= 5 drops add_bos_token/add_eos_token when saving a tokenizer; write them back."""
+    flags = {k: v for k, v in tokenizer_config(source).items() if k in ("add_bos_token", "add_eos_token")}
+    if flags:
+        path = target / "tokenizer_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **flags}, indent=2))
+
+
+def tokenizer_config(folder: Path) -> dict[str, Any]:
+    path = folder / "tokenizer_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}

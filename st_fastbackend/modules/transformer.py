@@ -8,7 +8,6 @@ plain sentence-transformers and back into the fast backend.
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 from pathlib import Path
@@ -21,10 +20,17 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 from st_fastbackend.engine.batch import PackedBatch
 from st_fastbackend.engine.layers import Linear, limit_reordered_copies
 from st_fastbackend.engine.registry import build_engine
-from st_fastbackend.engine.runtime import Kernel, Runtime, choose_runtime
-from st_fastbackend.engine.spec import FP16_OVERFLOWS, UnsupportedModelError
+from st_fastbackend.engine.runtime import Kernel, Runtime, choose_runtime, resolve_dtype
+from st_fastbackend.engine.spec import UnsupportedModelError
 from st_fastbackend.engine.weights import INDEX_FILE, checkpoint_files, load_weights
 from st_fastbackend.modules.files import resolve_folder
+from st_fastbackend.modules.tokenizer import (
+    check_texts,
+    check_tokenizer_files,
+    keep_special_token_flags,
+    lowercase_input,
+    missing_special_tokens,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +82,7 @@ class PackedTransformer(InputModule):
         check_tokenizer_files(self.folder)  # before minutes of loading a large model
         self.model = build_engine(config)
         device = _load_device(model_kwargs.get("device_map"))
-        load_weights(self.model, self.folder, device, _resolve_dtype(model_kwargs, config))
+        load_weights(self.model, self.folder, device, resolve_dtype(model_kwargs, config))
         if device.type == "cpu":
             limit_reordered_copies(self.model)
         self.config = config
@@ -92,8 +98,8 @@ class PackedTransformer(InputModule):
             self.tokenizer.model_max_length = min(self.tokenizer.model_max_length, config.max_position_embeddings)
         self.do_lower_case = do_lower_case
         if do_lower_case:
-            _lowercase_input(self.tokenizer)
-        self.add_bos, self.add_eos = _missing_special_tokens(self.folder, self.tokenizer)
+            lowercase_input(self.tokenizer)
+        self.add_bos, self.add_eos = missing_special_tokens(self.folder, self.tokenizer)
         self._prompt_lengths: dict[str, int] = {}
         self._in_use: tuple[Runtime, torch.dtype] | None = None  # attention runtime, product dtype: logged
 
@@ -242,39 +248,13 @@ class PackedTransformer(InputModule):
             if source.resolve() != (out / source.name).resolve():
                 shutil.copyfile(source, out / source.name)
         self.tokenizer.save_pretrained(output_path)
-        _keep_special_token_flags(self.folder, out)
+        keep_special_token_flags(self.folder, out)
         self.save_config(output_path)
 
     def __repr__(self) -> str:
         return (
             f"PackedTransformer({self.get_config_dict()}, model_type={self.config.model_type!r}, "
             f"attention_kernel={self.attention_kernel!r}, product_dtype={self.product_dtype})"
-        )
-
-
-def check_texts(inputs: list) -> None:
-    for index, text in enumerate(inputs):
-        if not isinstance(text, str):
-            kinds = {dict: "a dict (multimodal input)", list: "a list (a pair of texts?)", tuple: "a tuple (a pair?)"}
-            kind = kinds.get(type(text), type(text).__name__)
-            raise TypeError(
-                f"The fast backend embeds plain strings; input {index} is {kind}. "
-                'Text pairs and dict inputs are not supported by it; backend="torch" accepts them.'
-            )
-
-
-# The files one of transformers' tokenizers is built from: a tokenizer.json, or a vocabulary of its own.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.txt",
-                   "vocab.json")  # fmt: skip
-
-
-def check_tokenizer_files(folder: Path) -> None:
-    """transformers 5 builds a 5-token tokenizer for a folder without tokenizer files, and every text then
-    embeds to nearly the same vector; refuse such a folder instead."""
-    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        raise FileNotFoundError(
-            f"{folder} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}): "
-            "copy the model's tokenizer into the folder."
         )
 
 
@@ -292,76 +272,3 @@ def _load_device(device_map) -> torch.device:
         return torch.device(device_map)
     except (TypeError, RuntimeError, ValueError):
         raise UnsupportedModelError(f"device_map={device_map!r} (one device, e.g. 'cuda:1', is supported)") from None
-
-
-def _resolve_dtype(model_kwargs: dict[str, Any], config) -> torch.dtype:
-    """sentence-transformers' model_kwargs dtype: a torch.dtype, its name, or "auto".
-
-    "auto" takes the checkpoint's dtype on a CUDA machine (as transformers does), except fp16 for a
-    family known to overflow in it, which gets bf16 (fp32 where the GPU has no bf16). On a CPU-only
-    machine "auto" takes bf16 where the CPU multiplies bf16 natively (AVX512-BF16 or AMX), else fp32.
-    """
-    asked = model_kwargs.get("dtype", model_kwargs.get("torch_dtype")) or torch.float32
-    dtype = asked
-    if asked == "auto":
-        if torch.cuda.is_available():
-            dtype = getattr(config, "dtype", None) or torch.float32
-        else:
-            dtype = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-            logger.info(f'dtype="auto" on a CPU-only machine: {dtype} (native bf16: {cpu_has_native_bf16()})')
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise UnsupportedModelError(f"dtype {dtype!r}")
-    if dtype == torch.float16 and config.model_type in FP16_OVERFLOWS:
-        why = f"{config.model_type} models overflow in float16 (inf/NaN embeddings); their authors advise bfloat16"
-        if asked != "auto":
-            logger.warning(f"{why}. Running in float16 as asked.")
-            return dtype
-        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-        logger.warning(f'{why}. dtype="auto" takes {dtype} instead; pass dtype=torch.float16 to insist.')
-    return dtype
-
-
-def cpu_has_native_bf16() -> bool:
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private, hence the getattr
-    return any(getattr(torch.cpu, check, lambda: False)() for check in checks)
-
-
-def _lowercase_input(tokenizer: PreTrainedTokenizerBase) -> None:
-    """do_lower_case, as sentence-transformers applies it: a Lowercase normalizer in front."""
-    from tokenizers.normalizers import Lowercase, Sequence
-
-    normalizer = tokenizer.backend_tokenizer.normalizer
-    tokenizer.backend_tokenizer.normalizer = Lowercase() if normalizer is None else Sequence([Lowercase(), normalizer])
-
-
-def _missing_special_tokens(folder: Path, tokenizer: PreTrainedTokenizerBase) -> tuple[bool, bool]:
-    """(add BOS, add EOS): what tokenizer_config.json asks for and the loaded tokenizer does not add.
-
-    e5-mistral-7b-instruct sets "add_eos_token": true while its tokenizer.json post-processor adds
-    only <s>; transformers >= 5 follows tokenizer.json and drops the </s> that last-token pooling
-    reads. The model card tokenizes to max_length - 1 and appends </s>; so do we.
-    """
-    asked = _tokenizer_config(folder)
-    probe = tokenizer("a")["input_ids"]
-    add_bos = asked.get("add_bos_token") is True and tokenizer.bos_token_id not in (None, probe[0])
-    add_eos = asked.get("add_eos_token") is True and tokenizer.eos_token_id not in (None, probe[-1])
-    for name, missing in (("BOS", add_bos), ("EOS", add_eos)):
-        if missing:
-            logger.info(
-                f"tokenizer_config.json asks for {name} but the tokenizer does not add it: the fast backend adds it."
-            )
-    return add_bos, add_eos
-
-
-def _keep_special_token_flags(source: Path, target: Path) -> None:
-    """transformers >= 5 drops add_bos_token/add_eos_token when saving a tokenizer; write them back."""
-    flags = {k: v for k, v in _tokenizer_config(source).items() if k in ("add_bos_token", "add_eos_token")}
-    if flags:
-        path = target / "tokenizer_config.json"
-        path.write_text(json.dumps({**json.loads(path.read_text()), **flags}, indent=2))
-
-
-def _tokenizer_config(folder: Path) -> dict[str, Any]:
-    path = folder / "tokenizer_config.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
