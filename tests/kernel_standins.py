@@ -129,4 +129,5 @@ def install(monkeypatch, name: str) -> None:
         monkeypatch.setitem(sys.modules, "flash_attn", None)  # `import flash_attn` raises ImportError
         monkeypatch.setattr(varlen, "varlen_attn", STANDINS[name])
     monkeypatch.setattr(runtime, "VARLEN_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # as an H200 answers
     runtime.choose_runtime.cache_clear()  # the caller clears it again afterwards (see the `standin` fixtures)

@@ -40,13 +40,6 @@ def random_qkv(lengths, kv_heads, dtype=torch.float32, device="cpu"):
     return q, k, v
 
 
-@pytest.fixture
-def standin(monkeypatch):
-    yield lambda name: kernel_standins.install(monkeypatch, name)
-    monkeypatch.undo()
-    choose_runtime.cache_clear()
-
-
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
 @pytest.mark.parametrize("window", [None, 3])
@@ -108,6 +101,12 @@ def test_each_kernel_signature_gives_dense_attention(standin, name, causal, wind
     torch.testing.assert_close(out.double(), dense_reference(q, k, v, lengths, causal, window), atol=2e-2, rtol=0)
     cuts = window is not None and window < max(lengths)
     assert kernel_standins.Calls.count == (0 if cuts and name == "torch 2.10" else 1)
+
+
+def test_gpus_before_ampere_use_the_sdpa_loop(standin, monkeypatch):
+    standin("torch 2.13")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))  # a T4
+    assert choose_runtime("cuda", torch.float16).kernel == "sdpa_loop"
 
 
 def test_standins_refuse_what_the_kernels_refuse():

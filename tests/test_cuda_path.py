@@ -11,8 +11,6 @@ import torch
 from helpers import DEVICE, TOLERANCE, load_both, max_diff
 from test_bf16 import one_minus_cosine
 
-from st_fastbackend.engine.runtime import choose_runtime
-
 pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the stand-ins replace the CUDA kernels on the CPU")
 
 CASES = {
@@ -21,13 +19,6 @@ CASES = {
     "mistral multi-query": ("mistral", dict(num_key_value_heads=1)),
     "bert": ("bert", {}),
 }
-
-
-@pytest.fixture
-def standin(monkeypatch):
-    yield lambda name: kernel_standins.install(monkeypatch, name)
-    monkeypatch.undo()
-    choose_runtime.cache_clear()
 
 
 @pytest.fixture(scope="module")

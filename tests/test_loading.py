@@ -107,7 +107,8 @@ def test_checkpoint_errors_name_the_tensor(tmp_path):
 
 
 def test_weights_are_read_straight_onto_the_models_device(st_model, monkeypatch):
-    """Tensor by tensor onto the device, in the model's dtype: a 7B model never passes through host memory."""
+    """Tensor by tensor onto the device, in the model's dtype: a 7B model never passes through host memory.
+    (The device half of this means something under `pytest --device cuda`; on the CPU it checks the dtype.)"""
     folder = str(st_model("mistral", pooling_mode="mean"))
     opened = []
     real_open = weights.safe_open

@@ -28,8 +28,8 @@ def varlen_attention(
             q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
             return _sdpa_loop(q, k, v, batch, causal, window, runtime.grouped_heads).float()
         return _sdpa_loop(q, k, v, batch, causal, window, runtime.grouped_heads)
-    if q.shape[1] != k.shape[1] and not runtime.grouped_heads:
-        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))  # [T, Hkv, D] -> [T, Hq, D]
+    if not runtime.grouped_heads:
+        k, v = _repeat_kv(k, v, q.shape[1])
     left = window - 1 if window is not None and cuts else -1  # both kernels count the window without the query
     window_size = (left, 0 if causal else -1)
     cu, n = batch.cu_seqlens, batch.max_seqlen
@@ -55,8 +55,8 @@ def _sdpa_loop(
     """One SDPA call per run of adjacent equal-length sequences (packs are sorted by length, so runs are
     long): [n*L, H, D] is viewed as [n, H, L, D] without a copy. 4-D inputs reach PyTorch's flash kernel
     for the CPU; 3-D inputs would fall back to the slower math kernel."""
-    if q.shape[1] != k.shape[1] and not grouped_heads:
-        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))  # [T, Hkv, D] -> [T, Hq, D]
+    if not grouped_heads:
+        k, v = _repeat_kv(k, v, q.shape[1])
     out = torch.empty_like(q)
     grouped = q.shape[1] != k.shape[1]
     start = 0
@@ -73,6 +73,13 @@ def _sdpa_loop(
         out[start:end].view(count, length, q.shape[1], q.shape[2]).copy_(oi.transpose(1, 2))  # -> [n, L, H, D]
         start = end
     return out
+
+
+def _repeat_kv(k: Tensor, v: Tensor, num_heads: int) -> tuple[Tensor, Tensor]:
+    """For kernels without grouped-query heads: [T, Hkv, D] -> [T, Hq, D]."""
+    if k.shape[1] == num_heads:
+        return k, v
+    return k.repeat_interleave(num_heads // k.shape[1], dim=1), v.repeat_interleave(num_heads // v.shape[1], dim=1)
 
 
 def _equal_length_runs(lengths: tuple[int, ...]) -> list[tuple[int, int]]:

@@ -112,6 +112,13 @@ class Encoder(nn.Module):
 
     def forward(self, batch: PackedBatch, runtime: Runtime) -> Tensor:
         """Token ids [T] -> last hidden states [T, hidden]."""
+        if batch.max_seqlen + self.position_offset > self.spec.max_positions:
+            # Checked on the host: on a GPU the out-of-range lookup is a device-side assert that breaks
+            # every later call of the process, not an error of this batch alone.
+            raise ValueError(
+                f"A {batch.max_seqlen}-token sequence exceeds the model's {self.spec.max_positions} position "
+                "embeddings; lower max_seq_length."
+            )
         h = self.embeddings(batch)
         for layer in self.encoder.layer:
             h = layer(h, batch, runtime)

@@ -5,8 +5,8 @@ signatures of PyTorch's `torch.nn.attention.varlen.varlen_attn` (read from its s
   2.10  (query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None)
   2.11  (..., max_k, *, return_aux=None, scale=None, window_size=(-1, -1))    causal = window_size (w, 0)
   2.12+ (..., window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None)
-Both flash kernels (flash-attn's and PyTorch's) take fp16/bf16 only, so fp32 runs through exact
-per-sequence SDPA on every device.
+Both flash kernels (flash-attn's and PyTorch's) take fp16/bf16 only, and only on Ampere or newer GPUs;
+elsewhere attention runs through exact SDPA, one call per run of equal-length sequences.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ VARLEN_DEVICES = ("cuda",)  # where the flash kernels exist (tests add "cpu" to 
 class Runtime:
     kernel: Kernel
     grouped_heads: bool  # takes fewer k/v heads than query heads; else k/v are repeated
-    window: bool  # takes a sliding window; else sequences a window cuts run through the SDPA loop
+    window: bool  # takes a sliding window; else a pack that a window cuts runs through the SDPA loop
     is_causal: bool  # takes `is_causal`; else causality is window_size=(left, 0)
 
     def __str__(self) -> str:
@@ -40,10 +40,10 @@ class Runtime:
 
 
 @functools.cache
-def choose_runtime(device_type: str, dtype: torch.dtype) -> Runtime:
-    """flash-attn's varlen kernel where installed, else PyTorch's own, for fp16/bf16 on a GPU;
-    SDPA per run of equal-length sequences everywhere else (CPU, fp32, PyTorch without varlen)."""
-    if device_type in VARLEN_DEVICES and dtype in HALF_DTYPES:
+def choose_runtime(device_type: str, dtype: torch.dtype, device_index: int | None = None) -> Runtime:
+    """flash-attn's varlen kernel where installed, else PyTorch's own, for fp16/bf16 on an Ampere or newer
+    GPU; SDPA per run of equal-length sequences everywhere else (CPU, fp32, older GPUs, no varlen)."""
+    if device_type in VARLEN_DEVICES and dtype in HALF_DTYPES and _flash_capable(device_type, device_index):
         if _has_flash_attn():
             return Runtime("flash_attn", grouped_heads=True, window=True, is_causal=True)
         keywords = torch_varlen_keywords()
@@ -66,6 +66,11 @@ def torch_varlen_keywords() -> frozenset[str] | None:
     except ImportError:
         return None
     return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def _flash_capable(device_type: str, device_index: int | None) -> bool:
+    """Both flash kernels refuse GPUs before Ampere (compute capability 8.0): T4, V100."""
+    return device_type != "cuda" or torch.cuda.get_device_capability(device_index) >= (8, 0)
 
 
 def _has_flash_attn() -> bool:

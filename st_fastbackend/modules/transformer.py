@@ -157,7 +157,7 @@ class PackedTransformer(InputModule):
     def runtime(self) -> Runtime:
         """The attention kernel and its capabilities for the model's device and dtype (decided once for each)."""
         weight = next(self.model.parameters())
-        return choose_runtime(weight.device.type, weight.dtype)
+        return choose_runtime(weight.device.type, weight.dtype, weight.device.index)
 
     @property
     def attention_kernel(self) -> Kernel:

@@ -142,5 +142,6 @@ class Batcher:
                         job, index, seq = items[i]
                         results[id(job)][index] = (row, len(seq))
                     start = time.perf_counter()
+            self.max_tokens_per_batch = schedule.max_tokens  # a budget learned from running out of memory stays
         for job in jobs:
             job.future.set_result(results[id(job)])

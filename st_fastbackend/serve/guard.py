@@ -43,7 +43,7 @@ class Guard:
             body = await asyncio.wait_for(self._read_body(headers, receive), self.body_timeout)
         except ApiError as error:
             return await self.fail(error)(scope, receive, send)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # not TimeoutError before Python 3.11
             message = f"The request body did not arrive within {self.body_timeout:g} s."
             error = ApiError(408, message, code="body_timeout")
             return await self.fail(error, headers={"connection": "close"})(scope, receive, send)
