@@ -131,7 +131,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats()
             self.base = torch.cuda.memory_allocated()
             return self
-        self.base = self.peak = _rss()
+        self.base = self.peak = rss_bytes()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -139,7 +139,7 @@ class PeakMemory:
 
     def _sample(self) -> None:
         while not self._stop.wait(0.001):
-            self.peak = max(self.peak, _rss())
+            self.peak = max(self.peak, rss_bytes())
 
     def __exit__(self, *exc) -> None:
         if self.device.startswith("cuda"):
@@ -147,10 +147,10 @@ class PeakMemory:
             return
         self._stop.set()
         self._thread.join()
-        self.extra = max(self.peak, _rss()) - self.base
+        self.extra = max(self.peak, rss_bytes()) - self.base
 
 
-def _rss() -> int:
+def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 

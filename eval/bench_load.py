@@ -68,20 +68,16 @@ def build(folder: Path, tokenizer: str | None) -> Path:
     return folder
 
 
-def rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
 def child(backend: str, folder: str, device: str, dtype: str) -> None:
     """One load and one embedding in this process; prints a JSON line."""
     import torch
+    from bench import rss_bytes  # eval/bench.py
 
     import st_fastbackend
 
     if device.startswith("cuda"):
         torch.empty(1, device=device)  # CUDA's own start-up stays out of the figure
-    before = rss_mib()
+    before = rss_bytes() / 2**20
     start = time.perf_counter()
     model = st_fastbackend.SentenceTransformer(
         folder, backend=backend, device=device, model_kwargs={"dtype": getattr(torch, dtype)}

@@ -59,8 +59,9 @@ def calls(texts: list[str], count: int, max_texts: int, seed: int = 0) -> list[l
 
 
 def rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    from bench import rss_bytes  # eval/bench.py
+
+    return rss_bytes() / 2**20
 
 
 def child(backend: str, folder: str, args: argparse.Namespace) -> None:
