@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from st_fastbackend.engine.decoder import Decoder
-from st_fastbackend.engine.layers import _onednn_dtypes
+from st_fastbackend.engine.onednn import onednn_dtypes
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA_DIR = REPO.parent / "shared" / "data"
@@ -92,7 +92,7 @@ def gemm_ceiling(dtype: torch.dtype, device: str, n: int = 2048, repeats: int = 
     default product and oneDNN's on a prepacked weight (what the fast backend uses)."""
     a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
     products = [lambda: a @ b]
-    if device == "cpu" and dtype in _onednn_dtypes():  # oneDNN refuses bf16 on CPUs without native bf16
+    if device == "cpu" and dtype in onednn_dtypes():  # oneDNN refuses bf16 on CPUs without native bf16
         packed = torch.ops.mkldnn._reorder_linear_weight(b, n)
         products.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
     best = float("inf")

@@ -13,7 +13,7 @@ from st_fastbackend.engine.attention import varlen_attention
 from st_fastbackend.engine.batch import PackedBatch
 from st_fastbackend.engine.runtime import Runtime, choose_runtime
 
-SDPA_LOOP = Runtime("sdpa_loop", grouped_heads=True, window=True, is_causal=True)
+SDPA_LOOP = Runtime("sdpa_loop", grouped_heads=True, window=True, is_causal=True, dtype=torch.float32)
 
 
 def dense_reference(q, k, v, lengths, causal, window):
@@ -71,19 +71,21 @@ def test_packed_batch_layout():
         PackedBatch.from_sequences([[1], []])
 
 
-EXPECTED = {  # what choose_runtime must read from each signature
-    "torch 2.10": Runtime("torch_varlen", grouped_heads=False, window=False, is_causal=True),
-    "torch 2.11": Runtime("torch_varlen", grouped_heads=False, window=True, is_causal=False),
-    "torch 2.13": Runtime("torch_varlen", grouped_heads=True, window=True, is_causal=False),
-    "flash-attn 2": Runtime("flash_attn", grouped_heads=True, window=True, is_causal=True),
+EXPECTED = {  # what choose_runtime must read from each signature: (grouped_heads, window, is_causal)
+    "torch 2.10": ("torch_varlen", False, False, True),
+    "torch 2.11": ("torch_varlen", False, True, False),
+    "torch 2.13": ("torch_varlen", True, True, False),
+    "flash-attn 2": ("flash_attn", True, True, True),
 }
 
 
 @pytest.mark.parametrize("name", kernel_standins.STANDINS)
 def test_capabilities_are_read_from_the_installed_signature(standin, name):
     standin(name)
-    assert choose_runtime("cuda", torch.bfloat16) == EXPECTED[name]
-    assert choose_runtime("cuda", torch.float16) == EXPECTED[name]
+    kernel, grouped_heads, window, is_causal = EXPECTED[name]
+    for dtype in (torch.bfloat16, torch.float16):
+        expected = Runtime(kernel, grouped_heads=grouped_heads, window=window, is_causal=is_causal, dtype=dtype)
+        assert choose_runtime("cuda", dtype) == expected
     assert choose_runtime("cuda", torch.float32).kernel == "sdpa_loop"
 
 

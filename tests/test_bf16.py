@@ -7,12 +7,12 @@ from helpers import DATA_DIR, DEVICE, load_both, minilm_path, needs_data
 from transformers import AutoConfig
 
 from st_fastbackend import SentenceTransformer
-from st_fastbackend.engine.layers import _onednn_dtypes
+from st_fastbackend.engine.onednn import onednn_dtypes
 from st_fastbackend.engine.runtime import resolve_dtype
 
 
 def bf16_products_allowed_here() -> bool:
-    return torch.bfloat16 in _onednn_dtypes()
+    return torch.bfloat16 in onednn_dtypes()
 
 
 def one_minus_cosine(a, b) -> np.ndarray:

@@ -4,7 +4,7 @@ import torch
 
 from st_fastbackend import SentenceTransformer
 from st_fastbackend.cli import main
-from st_fastbackend.engine.layers import _onednn_dtypes
+from st_fastbackend.engine.onednn import onednn_dtypes
 
 
 def test_encode_command_writes_the_embeddings(st_model, texts, tmp_path):
@@ -16,7 +16,7 @@ def test_encode_command_writes_the_embeddings(st_model, texts, tmp_path):
     np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), expected)
 
 
-@pytest.mark.skipif(torch.bfloat16 not in _onednn_dtypes(), reason="oneDNN runs bf16 natively with AVX-512 only")
+@pytest.mark.skipif(torch.bfloat16 not in onednn_dtypes(), reason="oneDNN runs bf16 natively with AVX-512 only")
 def test_encode_command_with_bf16_products(st_model, texts, tmp_path):
     """--matmul-precision medium: the fp32 model multiplies in bf16, close to but not equal to fp32."""
     folder = st_model("bert", pooling_mode="mean")

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from st_fastbackend.engine.batch import PackedBatch
-from st_fastbackend.engine.layers import bf16_products_allowed
 from st_fastbackend.engine.runtime import Runtime
 
 
@@ -22,11 +21,12 @@ def varlen_attention(
 ) -> Tensor:
     cuts = window is not None and batch.max_seqlen > window  # the window changes some sequence's result
     if runtime.kernel == "sdpa_loop" or (cuts and not runtime.window):
-        if q.dtype == torch.float32 and q.device.type == "cpu" and bf16_products_allowed():
-            # An fp32 model whose products run in bf16 (engine/layers.Linear): attention's two products
-            # too, through the bf16 kernel (PyTorch's fp32 one slows down 4x under that setting here).
-            q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
-            return _sdpa_loop(q, k, v, batch, causal, window, runtime.grouped_heads).float()
+        products = runtime.product_dtype or q.dtype
+        if products != q.dtype:
+            # An fp32 model whose products run in bf16 (engine/onednn.py): attention's two products too,
+            # through the bf16 kernel (PyTorch's fp32 one slows down 4x under that setting here).
+            q, k, v, dtype = q.to(products), k.to(products), v.to(products), q.dtype
+            return _sdpa_loop(q, k, v, batch, causal, window, runtime.grouped_heads).to(dtype)
         return _sdpa_loop(q, k, v, batch, causal, window, runtime.grouped_heads)
     if not runtime.grouped_heads:
         k, v = _repeat_kv(k, v, q.shape[1])

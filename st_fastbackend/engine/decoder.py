@@ -6,7 +6,6 @@ cache, no LM head, no padding.
 
 from __future__ import annotations
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from st_fastbackend.engine.attention import varlen_attention
@@ -57,12 +56,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.gate_up_proj.uses_onednn():  # SiLU and the product inside the two halves' matrix products
-            x = x.to(self.gate_up_proj.product_dtype())  # once, for both halves
-            gate = self.gate_up_proj.product(x, 0, 2, activation="silu")
-            return self.down_proj(self.gate_up_proj.product(x, 1, 2, multiply=gate))
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.gate_up_proj.silu_mul(x))
 
 
 class DecoderLayer(nn.Module):

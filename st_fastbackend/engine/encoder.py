@@ -6,11 +6,10 @@ Module names follow transformers' BertModel, so checkpoints load by name; query/
 from __future__ import annotations
 
 from torch import Tensor, nn
-from transformers.activations import ACT2FN
 
 from st_fastbackend.engine.attention import varlen_attention
 from st_fastbackend.engine.batch import PackedBatch
-from st_fastbackend.engine.layers import ONEDNN_ACTIVATIONS, Linear
+from st_fastbackend.engine.layers import Linear
 from st_fastbackend.engine.runtime import Runtime
 from st_fastbackend.engine.spec import EncoderSpec
 
@@ -69,12 +68,9 @@ class Intermediate(nn.Module):
         super().__init__()
         self.dense = Linear(spec.hidden_size, spec.intermediate_size)
         self.hidden_act = spec.hidden_act
-        self.act = ACT2FN[spec.hidden_act]
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.hidden_act in ONEDNN_ACTIVATIONS and self.dense.uses_onednn():  # inside the product
-            return self.dense.product(x, activation=self.hidden_act)  # kept in the dtype the next product takes
-        return self.act(self.dense(x))
+        return self.dense.act(x, self.hidden_act)
 
 
 class EncoderLayer(nn.Module):

@@ -1,4 +1,5 @@
-"""The model dtype, and the attention kernel for a device and dtype with what the installed kernel accepts.
+"""How the engine runs on a device and dtype, decided once: the attention kernel with what the installed
+kernel accepts, and the dtype the matrix products run in. Also the model dtype asked for at load.
 
 Capabilities are read from the installed functions, never inferred from a version number. The
 signatures of PyTorch's `torch.nn.attention.varlen.varlen_attn` (read from its source):
@@ -33,19 +34,27 @@ class Runtime:
     grouped_heads: bool  # takes fewer k/v heads than query heads; else k/v are repeated
     window: bool  # takes a sliding window; else a pack that a window cuts runs through the SDPA loop
     is_causal: bool  # takes `is_causal`; else causality is window_size=(left, 0)
+    dtype: torch.dtype  # the model's
+    product_dtype: torch.dtype | None = None  # oneDNN's products on a CPU (engine/onednn.py); None: PyTorch's
 
     def __str__(self) -> str:
         missing = [name for name in ("grouped_heads", "window", "is_causal") if not getattr(self, name)]
-        return self.kernel + (f" (without {', '.join(missing)})" if missing and self.kernel != "sdpa_loop" else "")
+        kernel = self.kernel + (f" (without {', '.join(missing)})" if missing and self.kernel != "sdpa_loop" else "")
+        products = f"oneDNN in {self.product_dtype}" if self.product_dtype else f"PyTorch's in {self.dtype}"
+        return f"attention {kernel}; model in {self.dtype}; matrix products {products}"
 
 
 @functools.cache
-def choose_runtime(device_type: str, dtype: torch.dtype, device_index: int | None = None) -> Runtime:
+def choose_runtime(
+    device_type: str, dtype: torch.dtype, device_index: int | None = None, product_dtype: torch.dtype | None = None
+) -> Runtime:
     """flash-attn's varlen kernel where installed, else PyTorch's own, for fp16/bf16 on an Ampere or newer
-    GPU; SDPA per run of equal-length sequences everywhere else (CPU, fp32, older GPUs, no varlen)."""
+    GPU; SDPA per run of equal-length sequences everywhere else (CPU, fp32, older GPUs, no varlen).
+    `product_dtype`: the caller's choice for oneDNN's products (engine/onednn.product_dtype), CPU only."""
+    assert product_dtype is None or device_type == "cpu"
     if device_type in VARLEN_DEVICES and dtype in HALF_DTYPES and _flash_capable(device_type, device_index):
         if _has_flash_attn():
-            return Runtime("flash_attn", grouped_heads=True, window=True, is_causal=True)
+            return Runtime("flash_attn", grouped_heads=True, window=True, is_causal=True, dtype=dtype)
         keywords = torch_varlen_keywords()
         if keywords is not None:
             return Runtime(
@@ -53,10 +62,18 @@ def choose_runtime(device_type: str, dtype: torch.dtype, device_index: int | Non
                 grouped_heads="enable_gqa" in keywords,
                 window="window_size" in keywords,
                 is_causal="is_causal" in keywords,
+                dtype=dtype,
             )
     # PyTorch's CPU flash kernel takes grouped heads; on CUDA the memory-efficient SDPA kernel (fp32,
     # masks) does not, and grouped heads would send it to the math kernel: repeat k/v there.
-    return Runtime("sdpa_loop", grouped_heads=device_type == "cpu", window=True, is_causal=True)
+    return Runtime(
+        "sdpa_loop",
+        grouped_heads=device_type == "cpu",
+        window=True,
+        is_causal=True,
+        dtype=dtype,
+        product_dtype=product_dtype,
+    )
 
 
 def torch_varlen_keywords() -> frozenset[str] | None:

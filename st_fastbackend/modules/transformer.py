@@ -17,8 +17,9 @@ import torch
 from sentence_transformers.base.modules import InputModule, Transformer
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
+from st_fastbackend.engine import onednn
 from st_fastbackend.engine.batch import PackedBatch
-from st_fastbackend.engine.layers import Linear, limit_reordered_copies
+from st_fastbackend.engine.layers import Linear
 from st_fastbackend.engine.registry import build_engine
 from st_fastbackend.engine.runtime import Kernel, Runtime, choose_runtime, resolve_dtype
 from st_fastbackend.engine.spec import UnsupportedModelError
@@ -83,9 +84,9 @@ class PackedTransformer(InputModule):
         self.model = build_engine(config)
         device = _load_device(model_kwargs.get("device_map"))
         load_weights(self.model, self.folder, device, resolve_dtype(model_kwargs, config))
-        if device.type == "cpu":
-            limit_reordered_copies(self.model)
         self.config = config
+        self.onednn_copies = device.type == "cpu" and onednn.copies_fit(self.model)  # else PyTorch's products
+        self._use(self.runtime)
 
         # As sentence-transformers' Transformer: max_seq_length becomes the tokenizer's model_max_length,
         # capped at the model's max_position_embeddings unless the caller set model_max_length.
@@ -101,7 +102,6 @@ class PackedTransformer(InputModule):
             lowercase_input(self.tokenizer)
         self.add_bos, self.add_eos = missing_special_tokens(self.folder, self.tokenizer)
         self._prompt_lengths: dict[str, int] = {}
-        self._in_use: tuple[Runtime, torch.dtype] | None = None  # attention runtime, product dtype: logged
 
     # -- loading -------------------------------------------------------------------------------
 
@@ -155,9 +155,11 @@ class PackedTransformer(InputModule):
 
     @property
     def runtime(self) -> Runtime:
-        """The attention kernel and its capabilities for the model's device and dtype (decided once for each)."""
+        """The attention kernel with its capabilities, and the dtype of the matrix products, for the model's
+        device and dtype (decided once for each, and for PyTorch's setting of fp32 products on a CPU)."""
         weight = next(self.model.parameters())
-        return choose_runtime(weight.device.type, weight.dtype, weight.device.index)
+        products = onednn.product_dtype(weight.dtype) if self.onednn_copies and weight.device.type == "cpu" else None
+        return choose_runtime(weight.device.type, weight.dtype, weight.device.index, products)
 
     @property
     def attention_kernel(self) -> Kernel:
@@ -167,9 +169,8 @@ class PackedTransformer(InputModule):
     def product_dtype(self) -> torch.dtype:
         """The dtype inference runs the matrix products in: the model's, or bf16 for an fp32 model on a
         CPU where PyTorch's setting allows it (torch.set_float32_matmul_precision("medium"))."""
-        layer = next(m for m in self.model.modules() if isinstance(m, Linear))
-        with torch.inference_mode():
-            return layer.product_dtype() if layer.uses_onednn() else layer.weight.dtype
+        runtime = self.runtime
+        return runtime.product_dtype or runtime.dtype
 
     def get_embedding_dimension(self) -> int:
         return self.config.hidden_size
@@ -230,13 +231,25 @@ class PackedTransformer(InputModule):
 
     def forward(self, features: dict[str, Any], **kwargs) -> dict[str, Any]:
         runtime = self.runtime
-        in_use = (runtime, self.product_dtype)
-        if in_use != self._in_use:
-            dtype = next(self.model.parameters()).dtype
-            logger.info(f"Attention kernel: {runtime}; model in {dtype}, matrix products in {in_use[1]}")
-            self._in_use = in_use
+        if runtime is not self._applied:  # after .to(), or a change of PyTorch's setting for fp32 products
+            self._use(runtime)
         features["token_embeddings"] = self.model(features["packed"], runtime)  # [T, hidden]
         return features
+
+    def _use(self, runtime: Runtime) -> None:
+        """Set the engine's layers up for `runtime` (logged): at load, and again whenever it changes."""
+        for layer in self.model.modules():
+            if isinstance(layer, Linear):
+                layer.product_dtype = runtime.product_dtype
+        logger.info(f"Runtime: {runtime}")
+        self._applied = runtime
+
+    def _apply(self, fn, *args, **kwargs):
+        """.to(device), .to(dtype): the engine's layers are set up for the new device and dtype at once."""
+        module = super()._apply(fn, *args, **kwargs)
+        if (runtime := self.runtime) is not self._applied:
+            self._use(runtime)
+        return module
 
     def save(self, output_path: str, *args, safe_serialization: bool = True, **kwargs) -> None:
         """The checkpoint files as loaded, the tokenizer, and sentence_bert_config.json."""

@@ -1,0 +1,119 @@
+"""CPU matrix products through oneDNN on weights reordered once into its blocked layout.
+
+Measured on this project's CPUs: fp32 products 10-40% faster than PyTorch's default, and activations
+computed inside the product (eval/RESULTS.md). An fp32 model multiplies in bf16 (inputs and weight
+rounded to bf16, fp32 sums) where PyTorch's own setting allows fp32 products to:
+torch.set_float32_matmul_precision("medium") or torch.backends.mkldnn.matmul.fp32_precision = "bf16".
+Which dtype the products run in is part of the engine's Runtime (engine/runtime.py); engine/layers.Linear
+calls the functions here.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import platform
+
+import psutil
+import torch
+from torch import Tensor, nn
+
+logger = logging.getLogger(__name__)
+
+# transformers' activation name (config.hidden_act) -> the oneDNN post-op computing the same function
+# (attribute, algorithm); equal to transformers' ACT2FN within 5e-7 (tests/test_layers.py).
+ACTIVATIONS = {
+    "gelu": ("gelu", "none"),  # erf
+    "gelu_new": ("gelu", "tanh"),
+    "gelu_pytorch_tanh": ("gelu", "tanh"),
+    "gelu_fast": ("gelu", "tanh"),
+    "relu": ("relu", ""),
+    "silu": ("swish", ""),
+    "swish": ("swish", ""),
+    "tanh": ("tanh", ""),
+    "sigmoid": ("sigmoid", ""),
+}
+_PREPACK_ROWS = 4096  # the layout is chosen for products with about this many tokens
+
+Packed = tuple[Tensor, Tensor | None]  # (weight in oneDNN's layout, bias), both in the product dtype
+
+
+def product_dtype(weight_dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype oneDNN multiplies a CPU weight of `weight_dtype` in: its own, or bf16 for fp32 where
+    PyTorch's setting allows it; None where oneDNN is not used for it (not x86-64, or no native bf16)."""
+    if weight_dtype not in onednn_dtypes():
+        return None
+    return torch.bfloat16 if weight_dtype == torch.float32 and bf16_products_allowed() else weight_dtype
+
+
+def bf16_products_allowed() -> bool:
+    """PyTorch's own switch for fp32 products in bf16 on oneDNN (set by set_float32_matmul_precision
+    ("medium")), honoured where oneDNN runs bf16 natively."""
+    return torch.backends.mkldnn.matmul.fp32_precision == "bf16" and torch.bfloat16 in onednn_dtypes()
+
+
+@functools.cache
+def onednn_dtypes() -> tuple[torch.dtype, ...]:
+    """Where the oneDNN path was measured: x86-64 CPUs; bf16 only where oneDNN runs it natively (it
+    refuses bf16 without AVX-512 or AVX-NE-CONVERT)."""
+    if platform.machine().lower() not in ("x86_64", "amd64") or not torch.backends.mkldnn.is_available():
+        return ()
+    return (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
+
+
+def prepack(weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> Packed:
+    """(weight, bias) in `dtype`, the weight reordered into oneDNN's layout."""
+    weight = weight.detach().to(dtype).contiguous()
+    bias = None if bias is None else bias.detach().to(dtype).contiguous()
+    return torch.ops.mkldnn._reorder_linear_weight(weight, _PREPACK_ROWS), bias
+
+
+def product(x: Tensor, packed: Packed, activation: str | None = None, multiply: Tensor | None = None) -> Tensor:
+    """x @ weight.T + bias in the packed dtype (x is cast to it, and so is the result); then an activation
+    (a key of ACTIVATIONS) or a product with `multiply`, inside the same kernel: no second pass."""
+    weight, bias = packed
+    shape = x.shape[:-1]
+    x = padded(x.reshape(-1, x.shape[-1]), weight.dtype)  # [..., in] -> [product_rows(T), in]
+    if multiply is not None:
+        multiply = padded(multiply.reshape(-1, multiply.shape[-1]), weight.dtype)
+        out = torch.ops.mkldnn._linear_pointwise.binary(x, multiply, weight, bias, "mul")
+    else:
+        attr, algorithm = ACTIVATIONS[activation] if activation is not None else ("none", "")
+        out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
+    return out[: shape.numel()].unflatten(0, shape)  # [product_rows(T), out] -> [..., out]
+
+
+def product_rows(rows: int) -> int:
+    """`rows` rounded up to one of a few sizes: a multiple of 16 up to 128, then 8 sizes per doubling
+    (at most 12.5% more rows). oneDNN compiles a primitive per product shape and keeps it, ~0.6 MB each
+    with PyTorch's own cache of their descriptors, up to 1,024 shapes in each cache: packs of every token
+    count filled them (RSS +700 MB over 1,200 small encode calls, eval/bench_memory.py). With these
+    sizes a product has at most 56 shapes up to 8,192 tokens. A row's result does not depend on the
+    rows around it (tests/test_layers.py), so the zero rows added change no number."""
+    step = max(16, 1 << max(0, (rows - 1).bit_length() - 4))
+    return -(-rows // step) * step
+
+
+def padded(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """x [T, n] in `dtype`, with zero rows appended up to product_rows(T): one copy at most."""
+    rows = product_rows(x.shape[0])
+    if rows == x.shape[0]:
+        return x.to(dtype)
+    out = x.new_empty((rows, x.shape[1]), dtype=dtype)
+    out[: x.shape[0]] = x
+    out[x.shape[0] :] = 0
+    return out
+
+
+def copies_fit(engine: nn.Module) -> bool:
+    """Whether the reordered copies (the matrix weights a second time) take at most a quarter of the memory
+    available now: a large model on a small machine keeps PyTorch's default products instead."""
+    size = sum(m.weight.numel() * m.weight.element_size() for m in engine.modules() if isinstance(m, nn.Linear))
+    fits = size <= free_memory_bytes() / 4
+    if not fits:
+        logger.info(f"Matrix weights of {size / 2**30:.1f} GiB: no reordered copies for oneDNN (memory).")
+    return fits
+
+
+def free_memory_bytes() -> int:
+    return psutil.virtual_memory().available
