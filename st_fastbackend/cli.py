@@ -1,46 +1,90 @@
-"""`st-fastbackend` command line: `encode` texts (one per line) into a .npy file."""
+"""`st-fastbackend` command line: `encode` texts (one per line) into .npy, .parquet or .jsonl, or `serve` them
+over HTTP.
+
+torch, numpy and the model are imported inside the commands: `--help` and `--version` answer at once.
+"""
 
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import time
+from pathlib import Path
 
-import numpy as np
-import torch
-
+from st_fastbackend import __version__
+from st_fastbackend.cli_io import OUTPUT_FORMATS, CliError, check_output, read_texts, write_embeddings
 from st_fastbackend.serve.limits import Limits
 
+PROG = "st-fastbackend"
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16", "half": "float16", "auto": "auto"}  # fmt: skip
+PRECISIONS = ("float32", "int8", "uint8", "binary", "ubinary")
+DESCRIPTION = "Embed texts into a file (encode) or serve them over HTTP (serve) with the fast backend."
 MATMUL_PRECISIONS = ("highest", "high", "medium")
 MATMUL_HELP = "torch.set_float32_matmul_precision; 'medium' lets an fp32 model multiply in bf16 on a CPU"
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="st-fastbackend", description=__doc__)
+    args = build_parser().parse_args(argv)
+    try:
+        {"encode": _encode, "serve": _serve}[args.command](args)
+    except CliError as error:
+        if args.debug:
+            raise
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in --help, but not None or False (an option that is off unless given)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default in (None, False) else super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = DefaultsHelp
+    parser = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION, formatter_class=defaults)
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("model", help="a sentence-transformers folder or Hub id")
+    common.add_argument("--device", default=None, help="e.g. cpu, cuda, cuda:1 (default: as sentence-transformers)")
+    common.add_argument("--dtype", type=_dtype_name, default=None, metavar="{float32,bfloat16,float16,auto}",
+                        help="model dtype (also fp32, bf16, fp16, half); default: the model's own")  # fmt: skip
+    common.add_argument("--matmul-precision", default=None, choices=MATMUL_PRECISIONS, help=MATMUL_HELP)
+    common.add_argument("--max-seq-length", type=int, default=None, help="truncate inputs to this many tokens")
+    common.add_argument("--debug", action="store_true", help="show the traceback behind an error")
     commands = parser.add_subparsers(dest="command", required=True)
-    encode = commands.add_parser("encode", help="embed texts, one per line, into a .npy file")
-    encode.add_argument("model", help="a sentence-transformers folder or Hub id")
-    encode.add_argument("--input", default="-", help="text file, one text per line (default: stdin)")
-    encode.add_argument("--output", required=True, help="where to write the [N, dim] float32 .npy array")
-    encode.add_argument("--backend", default="fast", choices=["fast", "torch", "onnx", "openvino"])
-    encode.add_argument("--device", default=None)
-    encode.add_argument("--dtype", default=None, help="e.g. float32, bfloat16, float16, auto")
-    encode.add_argument("--matmul-precision", default=None, choices=MATMUL_PRECISIONS, help=MATMUL_HELP)
-    encode.add_argument("--batch-size", type=int, default=32)
-    encode.add_argument("--prompt-name", default=None)
-    encode.add_argument("--normalize", action="store_true")
-    serve = commands.add_parser("serve", help="OpenAI-compatible /v1/embeddings server with dynamic batching")
-    serve.add_argument("model", help="a sentence-transformers folder or Hub id")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name", default=None, help="default: the model argument")
-    serve.add_argument("--device", default=None)
-    serve.add_argument("--dtype", default=None, help="e.g. float32, bfloat16, float16, auto")
-    serve.add_argument("--matmul-precision", default=None, choices=MATMUL_PRECISIONS, help=MATMUL_HELP)
-    serve.add_argument(
-        "--max-tokens-per-batch", "--max-batch-tokens", type=int, default=None, help="tokens per packed batch"
-    )
+    _add_encode(commands.add_parser("encode", parents=[common], formatter_class=defaults,
+                                    help="embed texts, one per line, into a file"))  # fmt: skip
+    _add_serve(commands.add_parser("serve", parents=[common], formatter_class=defaults,
+                                   help="OpenAI-compatible /v1/embeddings server with dynamic batching"))  # fmt: skip
+    return parser
+
+
+def _add_encode(encode: argparse.ArgumentParser) -> None:
+    encode.add_argument("--input", default="-", help="UTF-8 text file, one text per line; - for stdin")
+    encode.add_argument("--output", required=True, help=f"where to write [N, dim]: {', '.join(OUTPUT_FORMATS)}")
+    encode.add_argument("--backend", default="fast", choices=["fast", "torch", "onnx", "openvino"],
+                        help="fast: the packed backend; the others: plain sentence-transformers")  # fmt: skip
+    prompts = encode.add_mutually_exclusive_group()
+    prompts.add_argument("--prompt", default=None, help="text put before every input, e.g. 'query: '")
+    prompts.add_argument("--prompt-name", default=None, help="a prompt from the model's config, e.g. query")
+    encode.add_argument("--batch-size", type=int, default=32, help="texts per batch at most")
+    encode.add_argument("--max-tokens-per-batch", type=_positive, default=None,
+                        help="tokens per packed batch (--backend fast); default: the model's, by device")  # fmt: skip
+    encode.add_argument("--truncate-dim", type=_positive, default=None, help="keep the first N dimensions")
+    encode.add_argument("--precision", default="float32", choices=PRECISIONS, help="quantize the embeddings")
+    encode.add_argument("--normalize", action="store_true", help="unit-length embeddings")
+
+
+def _add_serve(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model id clients send; default: the model folder's name, or the Hub id")  # fmt: skip
+    serve.add_argument("--max-tokens-per-batch", "--max-batch-tokens", type=_positive, default=None,
+                       help="tokens per packed batch; default: the model's, by device")  # fmt: skip
     serve.add_argument("--max-batch-size", type=int, default=256, help="inputs per request and per batch")
     serve.add_argument("--max-input-tokens", type=int, default=None, help="default: the model's max_seq_length")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on all but /health")
@@ -51,63 +95,119 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--body-timeout", type=float, default=Limits.body_timeout,
                        help="seconds for a request body to arrive; 408 past this")  # fmt: skip
     serve.add_argument("--no-dynamic-batching", action="store_true", help="one request per forward pass")
-    args = parser.parse_args(argv)
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                       help="for the server's and the library's log lines")  # fmt: skip
+    serve.add_argument("--no-access-log", action="store_true", help="no line per request")
+
+
+def _dtype_name(value: str) -> str:
+    if value.lower() not in DTYPES:
+        raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from {', '.join(DTYPES)})")
+    return DTYPES[value.lower()]
+
+
+def _positive(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return number
+
+
+def load_model(args: argparse.Namespace, backend: str = "fast"):
+    """The model, or a one-line CliError: missing folder, a folder that is not a model, any load failure."""
+    check_model(args.model)
+    import torch
+
+    from st_fastbackend import SentenceTransformer
+
     if args.matmul_precision:
         torch.set_float32_matmul_precision(args.matmul_precision)
-    {"encode": _encode, "serve": _serve}[args.command](args)
+    model_kwargs = {"dtype": args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)} if args.dtype else {}
+    try:
+        model = SentenceTransformer(args.model, backend=backend, device=args.device, model_kwargs=model_kwargs)
+    except Exception as error:  # whatever went wrong, one line; --debug shows where
+        raise CliError(f"cannot load model {args.model}: {_first_line(error)}") from error
+    if args.max_seq_length:
+        model.max_seq_length = args.max_seq_length
+    return model
+
+
+def check_model(name: str) -> None:
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not any((path / marker).is_file() for marker in ("modules.json", "config.json")):
+            raise CliError(f"{name} is not a model folder: it has neither modules.json nor config.json")
+    elif path.exists():
+        raise CliError(f"{name} is a file, not a model folder")
+    elif name.startswith((".", "/", "~")) or name.count("/") > 1:  # a Hub id is "name" or "org/name"
+        raise CliError(f"model folder {name} does not exist")
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+def describe(model) -> str:
+    """What actually runs: the weights' dtype and, on the fast backend, the attention kernel and product dtype."""
+    weight = next(model.parameters(), None)  # ONNX and OpenVINO models have none
+    weights = str(getattr(weight, "dtype", "?")).removeprefix("torch.")
+    if getattr(model, "backend", None) != "fast":
+        return f"weights {weights}, backend {getattr(model, 'backend', 'torch')}"
+    products = str(model[0].product_dtype).removeprefix("torch.")
+    return f"weights {weights}, products {products}, attention {model[0].attention_kernel}"
 
 
 def _encode(args: argparse.Namespace) -> None:
-    from st_fastbackend import SentenceTransformer
-
-    if args.input == "-":
-        texts = sys.stdin.read().splitlines()
-    else:
-        with open(args.input, encoding="utf8") as source:
-            texts = source.read().splitlines()
-    model = SentenceTransformer(args.model, backend=args.backend, device=args.device, model_kwargs=_dtype(args))
+    check_output(args.output)
+    texts = read_texts(args.input)
+    if args.max_tokens_per_batch and args.backend != "fast":
+        raise CliError("--max-tokens-per-batch needs --backend fast")
+    model = load_model(args, args.backend)
+    options = dict(prompt=args.prompt, prompt_name=args.prompt_name, batch_size=args.batch_size,
+                   normalize_embeddings=args.normalize, truncate_dim=args.truncate_dim,
+                   precision=args.precision)  # fmt: skip
+    if args.max_tokens_per_batch:
+        options["max_tokens_per_batch"] = args.max_tokens_per_batch
     start = time.perf_counter()
-    embeddings = model.encode(
-        texts, batch_size=args.batch_size, prompt_name=args.prompt_name, normalize_embeddings=args.normalize
-    )
+    try:
+        embeddings = model.encode(texts, show_progress_bar=sys.stderr.isatty(), **options) if texts else None
+    except ValueError as error:  # a bad prompt name, an input without tokens, ...
+        raise CliError(_first_line(error)) from error
     seconds = time.perf_counter() - start
-    np.save(args.output, embeddings.astype(np.float32))
-    print(f"{len(texts)} texts -> {args.output} {embeddings.shape} in {seconds:.2f}s", file=sys.stderr)
+    embeddings = embeddings if texts else no_embeddings(model, args.truncate_dim, args.precision)
+    write_embeddings(args.output, embeddings)
+    prompt = args.prompt or model.prompts.get(args.prompt_name or model.default_prompt_name)
+    tokens = count_tokens(model, texts, prompt)
+    print(f"{len(texts)} texts, {tokens} tokens in {seconds:.2f}s ({tokens / max(seconds, 1e-9):.0f} tokens/s); "
+          f"{describe(model)} -> {args.output} {embeddings.shape}", file=sys.stderr)  # fmt: skip
+
+
+def no_embeddings(model, truncate_dim: int | None, precision: str):
+    """[0, dim] in the dtype and width encode() gives for these options (binary packs 8 dimensions a byte)."""
+    import numpy as np
+
+    dim = min(truncate_dim or model.get_embedding_dimension(), model.get_embedding_dimension())
+    dim = -(-dim // 8) if precision in ("binary", "ubinary") else dim
+    dtype = {"float32": np.float32, "int8": np.int8, "binary": np.int8}.get(precision, np.uint8)
+    return np.zeros((0, dim), dtype)
+
+
+def count_tokens(model, texts: list[str], prompt: str | None) -> int:
+    """Tokens the model saw, prompt included, after truncation (one more tokenizer pass, no forward)."""
+    if not texts:
+        return 0
+    texts = [prompt + text for text in texts] if prompt else texts
+    if getattr(model, "backend", None) == "fast":
+        return sum(len(ids) for ids in model[0].token_ids(texts))
+    encoded = model.tokenizer(texts, truncation=True, max_length=model.max_seq_length, return_attention_mask=False)
+    return sum(len(ids) for ids in encoded["input_ids"])
 
 
 def _serve(args: argparse.Namespace) -> None:
-    import uvicorn
+    from st_fastbackend.cli_serve import serve  # uvicorn and the app, for this command only
 
-    from st_fastbackend import SentenceTransformer
-    from st_fastbackend.serve.app import create_app
-
-    model = SentenceTransformer(args.model, backend="fast", device=args.device, model_kwargs=_dtype(args))
-    max_input_tokens = args.max_input_tokens or model.max_seq_length
-    if max_input_tokens > model.max_seq_length:
-        raise SystemExit(
-            f"--max-input-tokens {max_input_tokens} exceeds the model's max_seq_length {model.max_seq_length}."
-        )
-    app = create_app(
-        model,
-        served_model_name=args.served_model_name or args.model,
-        max_tokens_per_batch=args.max_tokens_per_batch or model.max_tokens_per_batch,
-        max_batch_size=args.max_batch_size,
-        max_input_tokens=max_input_tokens,
-        api_key=args.api_key,
-        dynamic_batching=not args.no_dynamic_batching,
-        limits=Limits(args.max_body_bytes, args.max_request_chars, args.body_timeout),
-        public_metrics=args.public_metrics,
-    )
-    # uvicorn handles SIGTERM: stop accepting, let in-flight requests finish, run the app's shutdown. Then it
-    # re-raises the signal under the handler that was there before; a no-op one makes the exit status 0.
-    signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-
-
-def _dtype(args: argparse.Namespace) -> dict:
-    if not args.dtype:
-        return {}
-    return {"dtype": args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)}
+    serve(args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,67 @@
+"""`st-fastbackend serve`: check the port, load the model, say what is served and where, run uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+from pathlib import Path
+
+from st_fastbackend.cli import describe, load_model
+from st_fastbackend.cli_io import CliError
+from st_fastbackend.serve.limits import Limits
+
+logger = logging.getLogger("st_fastbackend.serve")
+
+
+def serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from st_fastbackend.serve.app import create_app
+
+    check_port(args.host, args.port)  # before the model loads, which may take minutes
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)-9s %(name)s: %(message)s")
+    model = load_model(args)
+    max_input_tokens = args.max_input_tokens or model.max_seq_length
+    if max_input_tokens > model.max_seq_length:
+        raise CliError(f"--max-input-tokens {max_input_tokens} exceeds max_seq_length {model.max_seq_length}")
+    name = args.served_model_name or served_name(args.model)
+    budget = args.max_tokens_per_batch or model.max_tokens_per_batch
+    app = create_app(
+        model,
+        served_model_name=name,
+        max_tokens_per_batch=budget,
+        max_batch_size=args.max_batch_size,
+        max_input_tokens=max_input_tokens,
+        api_key=args.api_key,
+        dynamic_batching=not args.no_dynamic_batching,
+        limits=Limits(args.max_body_bytes, args.max_request_chars, args.body_timeout),
+        public_metrics=args.public_metrics,
+    )
+    logger.info(
+        f"Serving {name!r} ({args.model}): dimension {model.get_embedding_dimension()}, {describe(model)}, "
+        f"{budget} tokens per batch, {max_input_tokens} tokens per input, at http://{args.host}:{args.port}"
+    )
+    # uvicorn handles SIGTERM: stop accepting, let in-flight requests finish, run the app's shutdown. Then it
+    # re-raises the signal under the handler that was there before; a no-op one makes the exit status 0.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=not args.no_access_log)
+
+
+def check_port(host: str, port: int) -> None:
+    """Bind host:port and let go, so a port in use is said in one line before the model loads. The port stays
+    free until uvicorn binds it, unless another process takes it in between (then uvicorn says so)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        socket.create_server((host, port), family=family).close()  # SO_REUSEADDR, as uvicorn binds
+    except OSError as error:
+        reason = os.strerror(error.errno) if error.errno else str(error)
+        raise CliError(f"cannot listen on {host}:{port}: {reason}") from None
+
+
+def served_name(model: str) -> str:
+    """The id clients send: a local folder's name, or the Hub id as given."""
+    path = Path(model).expanduser()
+    return path.resolve().name if path.is_dir() else model
