@@ -17,11 +17,11 @@ logger = logging.getLogger("st_fastbackend.serve")
 
 
 def serve(args: argparse.Namespace) -> None:
+    check_port(args.host, args.port)  # before the model loads, which may take minutes
     import uvicorn
 
     from st_fastbackend.serve.app import create_app
 
-    check_port(args.host, args.port)  # before the model loads, which may take minutes
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)-9s %(name)s: %(message)s")
     model = load_model(args)
     max_input_tokens = args.max_input_tokens or model.max_seq_length
