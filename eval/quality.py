@@ -6,6 +6,9 @@ as title + " " + text, as MTEB does. Published MTEB figures come from reference_
 
     python eval/quality.py                        # bundled all-MiniLM-L6-v2, both backends, all tasks
     python eval/quality.py --backend fast --tasks stsb-test sickr
+    python eval/quality.py --data-dir /data    # holds stsb/, sick/, scifact/ (and reference_scores/)
+
+Each run writes a new eval/results/quality-<model>-<date>-<time>.json.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_DATA_DIR = REPO.parent / "shared" / "data"  # ../shared/data from the repository root
+# --data-dir, else $ST_FASTBACKEND_DATA_DIR, else ../shared/data beside the repository
+DEFAULT_DATA_DIR = Path(os.environ.get("ST_FASTBACKEND_DATA_DIR", REPO.parent / "shared" / "data"))
 MINILM_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 
 
@@ -129,7 +133,7 @@ def main() -> None:
     parser.add_argument("--output-dir", type=Path, default=REPO / "eval" / "results")
     args = parser.parse_args()
     if not args.data_dir.is_dir():
-        raise SystemExit(f"No evaluation data at {args.data_dir}; pass --data-dir.")
+        raise SystemExit(f"No evaluation data at {args.data_dir}; pass --data-dir or set ST_FASTBACKEND_DATA_DIR.")
     reference_name = args.reference_name or (MINILM_NAME if args.model == str(get_model_path()) else args.model)
     backends = ["torch", "fast"] if args.backend == "both" else [args.backend]
     models = {b: SentenceTransformer(args.model, backend=b, device="cpu" if not torch.cuda.is_available() else None)
@@ -145,8 +149,10 @@ def main() -> None:
         print(_format_row(row, backends), flush=True)
 
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now().strftime("%Y-%m-%d")
-    out = args.output_dir / f"quality-{Path(reference_name).name}-{stamp}.json"
+    now = datetime.datetime.now()
+    stamp = now.strftime("%Y-%m-%d")
+    # A new file per run: a later run the same day must not overwrite a results file already committed.
+    out = args.output_dir / f"quality-{Path(reference_name).name}-{now.strftime('%Y-%m-%d-%H%M%S')}.json"
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
     out.write_text(
         json.dumps({"model": reference_name, "date": stamp, "machine": machine, "results": results}, indent=2)
