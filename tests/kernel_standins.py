@@ -3,7 +3,8 @@
 Each refuses what the real kernel refuses (fp32, unequal head counts without grouped-query support,
 int64 boundaries) and computes the flash kernels' masking rule exactly: a query at position i sees
 key j of its own sequence where j >= i - left (left >= 0) and j <= i + right (right >= 0), and j <= i
-when causal. Signatures as read from PyTorch's torch/nn/attention/varlen.py at each release tag and
+when causal; (w, w) is a symmetric window. The softmax scale is `scale` (1/sqrt(head_dim) when None).
+Signatures as read from PyTorch's torch/nn/attention/varlen.py at each release tag and
 from flash-attn 2's flash_attn_interface.py.
 """
 
@@ -24,7 +25,7 @@ class Calls:
     count = 0
 
 
-def flash_reference(q, k, v, cu_seq_q, *, causal, window_size, grouped):
+def flash_reference(q, k, v, cu_seq_q, *, causal, window_size, grouped, scale=None):
     """The flash kernels' contract, computed per sequence in fp32 and returned in the input dtype."""
     if q.dtype not in (torch.float16, torch.bfloat16) or not q.dtype == k.dtype == v.dtype:
         raise RuntimeError("FlashAttention only support fp16 and bf16 data type")  # the real kernels' refusal
@@ -41,7 +42,7 @@ def flash_reference(q, k, v, cu_seq_q, *, causal, window_size, grouped):
     bounds = cu_seq_q.tolist()
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
         qi, ki, vi = (t[start:end].float().transpose(0, 1) for t in (q, k, v))  # [H, L, D]
-        scores = qi @ ki.transpose(1, 2) / math.sqrt(q.shape[-1])  # [H, L, L]
+        scores = qi @ ki.transpose(1, 2) * (scale or 1 / math.sqrt(q.shape[-1]))  # [H, L, L]
         i = torch.arange(end - start)[:, None]
         j = torch.arange(end - start)[None, :]
         allowed = torch.ones(end - start, end - start, dtype=torch.bool)
@@ -64,7 +65,9 @@ def varlen_attn_2_11(
     query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)
 ):
     is_causal = window_size == (-1, 0)  # as PyTorch 2.11 derives it
-    return flash_reference(query, key, value, cu_seq_q, causal=is_causal, window_size=window_size, grouped=False)
+    return flash_reference(
+        query, key, value, cu_seq_q, causal=is_causal, window_size=window_size, grouped=False, scale=scale
+    )
 
 
 def varlen_attn_2_13(
@@ -85,7 +88,9 @@ def varlen_attn_2_13(
     num_splits=None,
 ):
     is_causal = window_size == (-1, 0)
-    return flash_reference(query, key, value, cu_seq_q, causal=is_causal, window_size=window_size, grouped=enable_gqa)
+    return flash_reference(
+        query, key, value, cu_seq_q, causal=is_causal, window_size=window_size, grouped=enable_gqa, scale=scale
+    )
 
 
 def flash_attn_varlen_func(
@@ -107,7 +112,11 @@ def flash_attn_varlen_func(
     block_table=None,
 ):
     window_size = tuple(window_size)  # flash-attn takes a list or a tuple
-    return flash_reference(q, k, v, cu_seqlens_q, causal=causal, window_size=window_size, grouped=True)
+    if softcap:
+        raise NotImplementedError("the stand-in has no soft-capping (the engine never asks for it)")
+    return flash_reference(
+        q, k, v, cu_seqlens_q, causal=causal, window_size=window_size, grouped=True, scale=softmax_scale
+    )
 
 
 STANDINS = {

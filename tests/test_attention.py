@@ -16,8 +16,9 @@ from st_fastbackend.engine.runtime import Runtime, choose_runtime
 SDPA_LOOP = Runtime("sdpa_loop", grouped_heads=True, window=True, is_causal=True, dtype=torch.float32)
 
 
-def dense_reference(q, k, v, lengths, causal, window):
-    """Every token against every token of the pack, masked to its own sequence (and causal / window)."""
+def dense_reference(q, k, v, lengths, causal, window, scale=None):
+    """Every token against every token of the pack, masked to its own sequence (and causal / window: fewer
+    than `window` positions back, or either way when not causal)."""
     q, k, v = q.double(), k.double(), v.double()
     seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     pos = torch.cat([torch.arange(n) for n in lengths])
@@ -25,10 +26,10 @@ def dense_reference(q, k, v, lengths, causal, window):
     if causal:
         allowed &= pos[None, :] <= pos[:, None]
     if window is not None:
-        allowed &= pos[None, :] > pos[:, None] - window
+        allowed &= (pos[None, :] - pos[:, None]).abs() < window
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
+    scores = torch.einsum("qhd,khd->hqk", q, k) * (scale or 1 / math.sqrt(q.shape[-1]))
     scores = scores.masked_fill(~allowed.to(q.device), float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
@@ -43,14 +44,26 @@ def random_qkv(lengths, kv_heads, dtype=torch.float32, device="cpu"):
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
 @pytest.mark.parametrize("window", [None, 3])
-def test_sdpa_loop_matches_dense_attention(causal, kv_heads, window):
-    if window is not None and not causal:
-        pytest.skip("sliding windows are causal here, as in every supported family")
+@pytest.mark.parametrize("scale", [None, 0.2])
+def test_sdpa_loop_matches_dense_attention(causal, kv_heads, window, scale):
     lengths = [1, 7, 2, 12, 5, 5, 5, 3, 3]  # runs of equal lengths share one kernel call
     batch = PackedBatch.from_sequences([[0] * n for n in lengths])
     q, k, v = random_qkv(lengths, kv_heads)
-    out = varlen_attention(q, k, v, batch, causal=causal, window=window, runtime=SDPA_LOOP)
-    torch.testing.assert_close(out.double(), dense_reference(q, k, v, lengths, causal, window), atol=1e-5, rtol=1e-5)
+    out = varlen_attention(q, k, v, batch, causal=causal, window=window, runtime=SDPA_LOOP, scale=scale)
+    expected = dense_reference(q, k, v, lengths, causal, window, scale)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_symmetric_window_rule():
+    """Bidirectional, window 3: a query sees two tokens on each side, as transformers' Gemma 3 mask
+    (|q - kv| < sliding_window) and ModernBERT's (|q - kv| <= local_attention // 2) do. With scale 0 every
+    visible key weighs the same, and one-hot values show which keys those are."""
+    batch = PackedBatch.from_sequences([[0] * 6])
+    q, k, _ = random_qkv([6], 4)
+    v = torch.eye(6, 8)[:, None, :].expand(6, 4, 8).contiguous()  # [T, H, D]: key j's value is one-hot j
+    out = varlen_attention(q, k, v, batch, causal=False, window=3, runtime=SDPA_LOOP, scale=0.0)
+    visible = torch.tensor([[j < 6 and abs(i - j) < 3 for j in range(8)] for i in range(6)]).float()
+    torch.testing.assert_close(out[:, 0], visible / visible.sum(1, keepdim=True))
 
 
 def test_fp32_and_cpu_use_the_sdpa_loop():
@@ -71,36 +84,43 @@ def test_packed_batch_layout():
         PackedBatch.from_sequences([[1], []])
 
 
-EXPECTED = {  # what choose_runtime must read from each signature: (grouped_heads, window, is_causal)
-    "torch 2.10": ("torch_varlen", False, False, True),
-    "torch 2.11": ("torch_varlen", False, True, False),
-    "torch 2.13": ("torch_varlen", True, True, False),
-    "flash-attn 2": ("flash_attn", True, True, True),
+EXPECTED = {  # what choose_runtime must read from each signature: (grouped_heads, window, is_causal, scale)
+    "torch 2.10": ("torch_varlen", False, False, True, False),
+    "torch 2.11": ("torch_varlen", False, True, False, True),
+    "torch 2.13": ("torch_varlen", True, True, False, True),
+    "flash-attn 2": ("flash_attn", True, True, True, True),
 }
 
 
 @pytest.mark.parametrize("name", kernel_standins.STANDINS)
 def test_capabilities_are_read_from_the_installed_signature(standin, name):
     standin(name)
-    kernel, grouped_heads, window, is_causal = EXPECTED[name]
+    kernel, grouped_heads, window, is_causal, scale = EXPECTED[name]
     for dtype in (torch.bfloat16, torch.float16):
-        expected = Runtime(kernel, grouped_heads=grouped_heads, window=window, is_causal=is_causal, dtype=dtype)
+        expected = Runtime(
+            kernel, grouped_heads=grouped_heads, window=window, is_causal=is_causal, dtype=dtype, scale=scale
+        )
         assert choose_runtime("cuda", dtype) == expected
     assert choose_runtime("cuda", torch.float32).kernel == "sdpa_loop"
 
 
 @pytest.mark.parametrize("name", kernel_standins.STANDINS)
-@pytest.mark.parametrize("causal, window", [(True, None), (True, 16), (True, 3), (False, None)])
+@pytest.mark.parametrize(
+    "causal, window", [(True, None), (True, 16), (True, 3), (False, None), (False, 16), (False, 3)]
+)
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
-def test_each_kernel_signature_gives_dense_attention(standin, name, causal, window, kv_heads):
-    """Through the stand-in where it can (grouped heads repeated, causality and windows expressed as the
-    release takes them), through the SDPA loop where a release has no window and the window cuts."""
+@pytest.mark.parametrize("scale", [None, 0.2])
+def test_each_kernel_signature_gives_dense_attention(standin, name, causal, window, kv_heads, scale):
+    """Through the stand-in where it can (grouped heads repeated, causality, windows and the scale expressed
+    as the release takes them), through the SDPA loop where a release has no window and the window cuts."""
     standin(name)
     lengths = [9, 4, 4, 1]
     batch = PackedBatch.from_sequences([[0] * n for n in lengths])
     q, k, v = random_qkv(lengths, kv_heads, torch.bfloat16)
-    out = varlen_attention(q, k, v, batch, causal=causal, window=window, runtime=choose_runtime("cpu", q.dtype))
-    torch.testing.assert_close(out.double(), dense_reference(q, k, v, lengths, causal, window), atol=2e-2, rtol=0)
+    runtime = choose_runtime("cpu", q.dtype)
+    out = varlen_attention(q, k, v, batch, causal=causal, window=window, runtime=runtime, scale=scale)
+    expected = dense_reference(q, k, v, lengths, causal, window, scale)
+    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=0)
     cuts = window is not None and window < max(lengths)
     assert kernel_standins.Calls.count == (0 if cuts and name == "torch 2.10" else 1)
 
@@ -128,7 +148,7 @@ def test_standins_refuse_what_the_kernels_refuse():
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the real CUDA kernels run under `pytest --device cuda`")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("causal, window", [(True, None), (True, 16), (False, None)])
+@pytest.mark.parametrize("causal, window", [(True, None), (True, 16), (False, None), (False, 65)])
 @pytest.mark.parametrize("kv_heads", [4, 1])
 def test_the_installed_cuda_kernel_gives_dense_attention(dtype, causal, window, kv_heads):
     choose_runtime.cache_clear()

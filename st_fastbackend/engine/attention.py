@@ -1,9 +1,13 @@
 """One attention function over packed sequences, three kernels behind the same signature.
 
 q: [T, Hq, D], k and v: [T, Hkv, D] (grouped-query: Hq is a multiple of Hkv) -> [T, Hq, D].
-`window` is Hugging Face's `sliding_window`: a query sees itself and the `window - 1` tokens
-before it (transformers `sliding_window_overlay`: kv_idx > q_idx - window). Which kernel runs, and
-what it accepts, is the Runtime decided once per device and dtype (engine/runtime.py).
+`window`: a query sees the keys of its sequence less than `window` positions away. Causal, that is
+Hugging Face's `sliding_window` (itself and the `window - 1` tokens before it: transformers
+`sliding_window_overlay`, kv_idx > q_idx - window); bidirectional, `window - 1` tokens on each side
+(|q_idx - kv_idx| < window: Gemma 3's `_bidirectional_window_overlay`; ModernBERT's
+`sliding_window_bidirectional_overlay` with window = local_attention // 2 + 1). `scale` multiplies
+q.k (None: 1/sqrt(head_dim)). Which kernel runs, and what it accepts, is the Runtime decided once per
+device and dtype (engine/runtime.py).
 """
 
 from __future__ import annotations
@@ -17,7 +21,15 @@ from st_fastbackend.engine.runtime import Runtime
 
 
 def varlen_attention(
-    q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch, *, causal: bool, window: int | None, runtime: Runtime
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    batch: PackedBatch,
+    *,
+    causal: bool,
+    window: int | None,
+    runtime: Runtime,
+    scale: float | None = None,
 ) -> Tensor:
     cuts = window is not None and batch.max_seqlen > window  # the window changes some sequence's result
     if runtime.kernel == "sdpa_loop" or (cuts and not runtime.window):
@@ -26,21 +38,26 @@ def varlen_attention(
             # An fp32 model whose products run in bf16 (engine/onednn.py): attention's two products too,
             # through the bf16 kernel (PyTorch's fp32 one slows down 4x under that setting here).
             q, k, v, dtype = q.to(products), k.to(products), v.to(products), q.dtype
-            return _sdpa_loop(q, k, v, batch, causal, window, runtime.grouped_heads).to(dtype)
-        return _sdpa_loop(q, k, v, batch, causal, window, runtime.grouped_heads)
+            return _sdpa_loop(q, k, v, batch, causal, window, runtime.grouped_heads, scale).to(dtype)
+        return _sdpa_loop(q, k, v, batch, causal, window, runtime.grouped_heads, scale)
     if not runtime.grouped_heads:
         k, v = _repeat_kv(k, v, q.shape[1])
-    left = window - 1 if window is not None and cuts else -1  # both kernels count the window without the query
-    window_size = (left, 0 if causal else -1)
+    side = window - 1 if window is not None and cuts else -1  # both kernels count the window without the query
+    window_size = (side, 0) if causal else (side, side)
     cu, n = batch.cu_seqlens, batch.max_seqlen
     if runtime.kernel == "flash_attn":
         from flash_attn import flash_attn_varlen_func
 
-        return flash_attn_varlen_func(q, k, v, cu, cu, n, n, causal=causal, window_size=window_size)
+        options = dict(softmax_scale=scale, causal=causal, window_size=window_size)
+        return flash_attn_varlen_func(q, k, v, cu, cu, n, n, **options)
     from torch.nn.attention.varlen import varlen_attn
 
     options: dict = {}
-    if runtime.window:  # (-1, 0) is causal attention, (left, 0) causal within a window
+    if scale is not None and runtime.scale:
+        options["scale"] = scale
+    elif scale is not None:  # PyTorch 2.10 has no `scale`: the same logits from a rescaled q
+        q = q * (scale * q.shape[-1] ** 0.5)
+    if runtime.window:  # (-1, 0) is causal attention, (left, 0) causal within a window, (w, w) symmetric
         options["window_size"] = window_size
     if runtime.is_causal:
         options["is_causal"] = causal
@@ -50,7 +67,14 @@ def varlen_attention(
 
 
 def _sdpa_loop(
-    q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch, causal: bool, window: int | None, grouped_heads: bool
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    batch: PackedBatch,
+    causal: bool,
+    window: int | None,
+    grouped_heads: bool,
+    scale: float | None,
 ) -> Tensor:
     """One SDPA call per run of adjacent equal-length sequences (packs are sorted by length, so runs are
     long): [n*L, H, D] is viewed as [n, H, L, D] without a copy. 4-D inputs reach PyTorch's flash kernel
@@ -66,9 +90,9 @@ def _sdpa_loop(
         qi, ki, vi = (t[start:end].view(count, length, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
         mask = None
         if window is not None and length > window:
-            mask = _sliding_window_mask(length, window, q.device)
+            mask = _sliding_window_mask(length, window, causal, q.device)
         oi = F.scaled_dot_product_attention(
-            qi, ki, vi, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=grouped
+            qi, ki, vi, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=grouped, scale=scale
         )
         out[start:end].view(count, length, q.shape[1], q.shape[2]).copy_(oi.transpose(1, 2))  # -> [n, L, H, D]
         start = end
@@ -93,8 +117,10 @@ def _equal_length_runs(lengths: tuple[int, ...]) -> list[tuple[int, int]]:
     return runs
 
 
-def _sliding_window_mask(length: int, window: int, device: torch.device) -> Tensor:
-    """[L, L] bool, True where a query may attend: causal and within the window (one sequence, never T x T)."""
+def _sliding_window_mask(length: int, window: int, causal: bool, device: torch.device) -> Tensor:
+    """[L, L] bool, True where a query may attend: within the window, and causal if asked (one sequence,
+    never T x T)."""
     q_idx = torch.arange(length, device=device)[:, None]
     kv_idx = torch.arange(length, device=device)[None, :]
-    return (kv_idx <= q_idx) & (kv_idx > q_idx - window)
+    near = (q_idx - kv_idx).abs() < window
+    return near & (kv_idx <= q_idx) if causal else near

@@ -36,9 +36,10 @@ class Runtime:
     is_causal: bool  # takes `is_causal`; else causality is window_size=(left, 0)
     dtype: torch.dtype  # the model's
     product_dtype: torch.dtype | None = None  # oneDNN's products on a CPU (engine/onednn.py); None: PyTorch's
+    scale: bool = True  # takes a softmax scale; else q is multiplied by it first (Gemma's query_pre_attn_scalar)
 
     def __str__(self) -> str:
-        missing = [name for name in ("grouped_heads", "window", "is_causal") if not getattr(self, name)]
+        missing = [name for name in ("grouped_heads", "window", "is_causal", "scale") if not getattr(self, name)]
         kernel = self.kernel + (f" (without {', '.join(missing)})" if missing and self.kernel != "sdpa_loop" else "")
         products = f"oneDNN in {self.product_dtype}" if self.product_dtype else f"PyTorch's in {self.dtype}"
         return f"attention {kernel}; model in {self.dtype}; matrix products {products}"
@@ -63,6 +64,7 @@ def choose_runtime(
                 window="window_size" in keywords,
                 is_causal="is_causal" in keywords,
                 dtype=dtype,
+                scale="scale" in keywords,
             )
     # PyTorch's CPU flash kernel takes grouped heads; on CUDA the memory-efficient SDPA kernel (fp32,
     # masks) does not, and grouped heads would send it to the math kernel: repeat k/v there.
