@@ -225,7 +225,7 @@ def main() -> None:
                 if workload == "long" and model_name == "minilm":
                     continue  # MiniLM truncates at 256 tokens: "long" is the small Mistral's workload
                 texts = texts_by_workload[workload]
-                token_ids = systems["fast"][0].token_ids(texts)
+                token_ids = systems["fast"][0].texts.encode(texts)
                 tokens = sum(len(ids) for ids in token_ids)
                 results = run_case(systems, texts, args.batch_size, args.rounds, args.device)
                 for peer, python in peers.items():

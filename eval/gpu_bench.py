@@ -133,7 +133,7 @@ def fixed_length_texts(articles: list[str], length: int, count: int) -> list[str
 
 def measure(plain, fast, texts: list[str], args, ceiling: float) -> dict:
     """Both systems on the same texts; plain at its best batch_size, fast at its own."""
-    ids = fast[0].token_ids(texts)
+    ids = fast[0].texts.encode(texts)
     tokens = sum(len(seq) for seq in ids)
     plain_runs = {bs: tokens_per_second(plain, texts, bs, tokens, args.device, args.rounds) for bs in (8, 16, 32)}
     fast_runs = {bs: tokens_per_second(fast, texts, bs, tokens, args.device, args.rounds) for bs in (32, 512)}

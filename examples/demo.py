@@ -58,7 +58,7 @@ def main() -> None:
     texts = sentences()
     plain = PlainSentenceTransformer(path, device="cpu")
     fast = SentenceTransformer(path, backend="fast", device="cpu")
-    tokens = sum(len(ids) for ids in fast[0].token_ids(texts))
+    tokens = sum(len(ids) for ids in fast[0].texts.encode(texts))
     print(f"all-MiniLM-L6-v2, {len(texts)} sentences, {tokens} tokens, {torch.get_num_threads()} threads, CPU")
     print(f"fast backend: {fast[0]!r}")
 

@@ -8,6 +8,7 @@ PackedPooling; every other module (Dense, Normalize, ...) stays as it is.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -23,9 +24,11 @@ from tqdm.autonotebook import tqdm
 from st_fastbackend.engine.schedule import Schedule, default_max_tokens
 from st_fastbackend.engine.spec import UnsupportedModelError
 from st_fastbackend.modules import PackedPooling, PackedTransformer, check_texts
+from st_fastbackend.modules.tokenizer import TextTokenizer
 
 FAST_MODULES: dict[type, type] = {Transformer: PackedTransformer, Pooling: PackedPooling}
 TOKENIZE_CHUNK = 4096  # texts tokenized together (while the previous chunk runs) and sorted by length
+OUTPUT_VALUES = ("sentence_embedding", "token_embeddings", None)
 
 
 class SentenceTransformer(sentence_transformers.SentenceTransformer):
@@ -108,30 +111,18 @@ class SentenceTransformer(sentence_transformers.SentenceTransformer):
         """Texts are tokenized a chunk at a time in a background thread, sorted by token length within
         the chunk, and packed into batches of at most `batch_size` texts and `max_tokens_per_batch`
         tokens; results return in the caller's order."""
+        if output_value not in OUTPUT_VALUES:
+            raise ValueError(f"output_value must be one of {OUTPUT_VALUES}, got {output_value!r}.")
+        if max_tokens_per_batch is not None and max_tokens_per_batch < 1:
+            raise ValueError(f"max_tokens_per_batch must be positive, got {max_tokens_per_batch}.")
         check_texts(inputs)  # before sorting, so an error names the caller's index
         device = self._resolve_inference_device(device)
         self.eval()
-        transformer: PackedTransformer = self[0]
         max_tokens = max_tokens_per_batch or self._max_tokens_for(device)
         schedule = Schedule(self, prompt, device, batch_size, max_tokens)  # one for the call: keeps a learned budget
-        chunks = [range(s, min(s + TOKENIZE_CHUNK, len(inputs))) for s in range(0, len(inputs), TOKENIZE_CHUNK)]
         results: list = [None] * len(inputs)
-
-        def tokenize(chunk: range) -> list[list[int]]:
-            return transformer.tokenize_texts([inputs[i] for i in chunk], prompt, first_index=chunk.start)
-
-        if prompt:  # measured (and cached) now: the tokenizer must not run in two threads at once
-            transformer.prompt_length(prompt)
-
-        with (
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize") as background,
-            tqdm(total=len(inputs), desc="Texts", disable=not show_progress_bar) as progress,
-        ):
-            pending = background.submit(tokenize, chunks[0]) if chunks else None
-            for position, chunk in enumerate(chunks):
-                sequences = pending.result()
-                if position + 1 < len(chunks):
-                    pending = background.submit(tokenize, chunks[position + 1])
+        with tqdm(total=len(inputs), desc="Texts", disable=not show_progress_bar) as progress:
+            for chunk, sequences in _tokenized_chunks(self[0].texts, inputs, prompt):
                 for picked, out in schedule.run(sequences, **kwargs):
                     rows = _rows(out, output_value, truncate_dim, normalize_embeddings, save_to_cpu)
                     for i, row in zip(picked, rows, strict=True):
@@ -176,6 +167,27 @@ class SentenceTransformer(sentence_transformers.SentenceTransformer):
         return [*super().get_model_kwargs(), *extra]
 
 
+def _tokenized_chunks(texts: TextTokenizer, inputs: list[str], prompt: str | None) -> Iterator[tuple[range, list]]:
+    """(positions in `inputs`, their token ids) chunk by chunk; the next chunk is tokenized in a background
+    thread while the caller runs the current one."""
+    chunks = [range(s, min(s + TOKENIZE_CHUNK, len(inputs))) for s in range(0, len(inputs), TOKENIZE_CHUNK)]
+    if not chunks:
+        return
+    if prompt:  # measured (and cached) now: the tokenizer must not run in two threads at once
+        texts.prompt_length(prompt)
+
+    def tokenize(chunk: range) -> list[list[int]]:
+        return texts.encode([inputs[i] for i in chunk], prompt, first_index=chunk.start)
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize") as background:
+        pending = background.submit(tokenize, chunks[0])
+        for position, chunk in enumerate(chunks):
+            sequences = pending.result()
+            if position + 1 < len(chunks):
+                pending = background.submit(tokenize, chunks[position + 1])
+            yield chunk, sequences
+
+
 def _load_on_device(kwargs: dict[str, Any]) -> dict[str, Any]:
     """The fast backend reads the checkpoint tensor by tensor straight onto the model's device, in its
     dtype: `device_map` names that device, as sentence-transformers' own option to load a backbone
@@ -216,11 +228,18 @@ def _per_text_outputs(out: dict[str, Any], output_value: str | None) -> list:
 
 
 def _rewrite_module_types(path: str) -> None:
-    canonical = {
-        f"{cls.__module__}.{cls.__name__}": f"{base.__module__}.{base.__name__}" for base, cls in FAST_MODULES.items()
-    }
+    """modules.json names sentence-transformers' own classes, and their folders are named as plain
+    sentence-transformers names them ("1_Pooling", not "1_PackedPooling")."""
+    canonical = {f"{cls.__module__}.{cls.__name__}": base for base, cls in FAST_MODULES.items()}
     modules_json = Path(path) / "modules.json"
     modules = json.loads(modules_json.read_text())
     for module in modules:
-        module["type"] = canonical.get(module["type"], module["type"])
+        base = canonical.get(module["type"])
+        if base is None:
+            continue
+        module["type"] = f"{base.__module__}.{base.__name__}"
+        folder = f"{module['idx']}_{base.__name__}"
+        if module["path"] and module["path"] != folder and not (Path(path) / folder).exists():
+            (Path(path) / module["path"]).rename(Path(path) / folder)
+            module["path"] = folder
     modules_json.write_text(json.dumps(modules, indent=2))

@@ -9,6 +9,7 @@ from pathlib import Path  # noqa: E402
 import helpers  # noqa: E402
 import kernel_standins  # noqa: E402
 import pytest  # noqa: E402
+import serving  # noqa: E402
 import torch  # noqa: E402
 from builders import build_st_model, make_texts  # noqa: E402
 
@@ -56,3 +57,9 @@ def st_model(tmp_path_factory):
         return cache[key]
 
     return build
+
+
+@pytest.fixture(scope="session")
+def served_folder(st_model) -> Path:
+    """What the server tests serve: a small Mistral, last-token pooling, a "query" prompt."""
+    return st_model("mistral", pooling_mode="lasttoken", prompts=serving.PROMPTS)

@@ -51,7 +51,7 @@ def test_fast_backend_follows_the_model_card(e5_folder, texts, caplog):
         fast = SentenceTransformer(str(e5_folder), backend="fast", device=DEVICE)
     assert sum("asks for EOS" in record.message for record in caplog.records) == 1
     eos = fast.tokenizer.eos_token_id
-    sequences = fast[0].token_ids(texts)
+    sequences = fast[0].texts.encode(texts)
     assert all(ids[-1] == eos and ids[0] == fast.tokenizer.bos_token_id for ids in sequences)
     assert max(len(ids) for ids in sequences) == MAX_LENGTH  # truncated to max_length - 1, then </s>
     assert max_diff(fast.encode(texts, batch_size=8), model_card_embeddings(e5_folder, texts)) <= TOLERANCE
@@ -60,7 +60,7 @@ def test_fast_backend_follows_the_model_card(e5_folder, texts, caplog):
 def test_prompt_length_excludes_the_appended_eos(e5_folder):
     fast = SentenceTransformer(str(e5_folder), backend="fast", device=DEVICE)
     prompt = "Instruct: retrieve\nQuery: "
-    assert fast[0].prompt_length(prompt) == len(fast.tokenizer(prompt)["input_ids"])
+    assert fast[0].texts.prompt_length(prompt) == len(fast.tokenizer(prompt)["input_ids"])
 
 
 def test_saved_folder_keeps_asking_for_eos(e5_folder, texts, tmp_path):

@@ -73,6 +73,17 @@ def test_output_value_none(models, texts):
         assert torch.equal(x["input_ids"][:n], y["input_ids"]) and y["token_embeddings"].shape[0] == n
 
 
+def test_bad_arguments_are_refused_as_plain_refuses_them(models, texts):
+    plain, fast = models
+    with pytest.raises(KeyError):
+        plain.encode(texts[:2], output_value="foo")
+    with pytest.raises(ValueError, match="output_value must be one of"):
+        fast.encode(texts[:2], output_value="foo")
+    for budget in (0, -5):
+        with pytest.raises(ValueError, match="max_tokens_per_batch must be positive"):
+            fast.encode(texts[:2], max_tokens_per_batch=budget)
+
+
 def test_single_string_empty_list_and_attributes(models, texts):
     plain, fast = models
     assert fast.encode(texts[5]).shape == plain.encode(texts[5]).shape == (64,)
@@ -86,7 +97,7 @@ def test_max_seq_length_get_and_set(st_model, texts):
     plain, fast = load_both(st_model("llama", pooling_mode="mean"))
     assert fast.max_seq_length == plain.max_seq_length == 256
     plain.max_seq_length = fast.max_seq_length = 20
-    assert max(len(ids) for ids in fast[0].token_ids(texts)) == 20
+    assert max(len(ids) for ids in fast[0].texts.encode(texts)) == 20
     assert max_diff(plain.encode(texts), fast.encode(texts)) <= TOLERANCE
 
 

@@ -19,7 +19,7 @@ POOLING_MODES = ["mean", "cls", "max", "lasttoken", "weightedmean", "mean_sqrt_l
 def test_every_encoder_and_pooling_mode_matches_plain(st_model, texts, family, pooling_mode):
     plain, fast = load_both(st_model(family, pooling_mode=pooling_mode))
     assert isinstance(fast[0], PackedTransformer) and fast[0].config.model_type == family
-    assert max(len(ids) for ids in fast[0].token_ids(texts)) == 256  # truncation hit
+    assert max(len(ids) for ids in fast[0].texts.encode(texts)) == 256  # truncation hit
     assert max_diff(plain.encode(texts, batch_size=8), fast.encode(texts, batch_size=8)) <= TOLERANCE
 
 
@@ -66,5 +66,5 @@ def test_real_minilm_matches_plain_on_real_sentences():
     sentences = [r["sentence1"] for r in rows] + [r["sentence2"] for r in rows] + paragraphs
     plain, fast = load_both(minilm_path())
     assert fast[0].config.model_type == "bert" and fast.max_seq_length == 256
-    assert max(len(ids) for ids in fast[0].token_ids(sentences)) == 256  # long paragraphs are truncated
+    assert max(len(ids) for ids in fast[0].texts.encode(sentences)) == 256  # long paragraphs are truncated
     assert max_diff(plain.encode(sentences), fast.encode(sentences)) <= TOLERANCE

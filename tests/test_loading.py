@@ -18,8 +18,10 @@ def test_save_round_trip(st_model, texts, tmp_path):
     plain, fast = load_both(st_model("qwen3", pooling_mode="weightedmean"))
     fast.max_seq_length = 100
     fast.save(str(tmp_path / "saved"))
-    types = [m["type"] for m in json.loads((tmp_path / "saved" / "modules.json").read_text())]
-    assert all(t.startswith("sentence_transformers.") for t in types)
+    modules = json.loads((tmp_path / "saved" / "modules.json").read_text())
+    assert all(m["type"].startswith("sentence_transformers.") for m in modules)
+    assert [m["path"] for m in modules][:2] == ["", "1_Pooling"]  # folders named as plain names them
+    assert (tmp_path / "saved" / "1_Pooling" / "config.json").is_file()
     reloaded_plain = PlainSentenceTransformer(str(tmp_path / "saved"), device="cpu")  # no trust_remote_code
     reloaded_fast = SentenceTransformer(str(tmp_path / "saved"), backend="fast", device="cpu")
     assert reloaded_plain.max_seq_length == reloaded_fast.max_seq_length == 100

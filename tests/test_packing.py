@@ -4,14 +4,15 @@ import numpy as np
 import pytest
 import torch
 from helpers import DEVICE
-from prometheus_client import CollectorRegistry
 from transformers import MistralConfig
 
 import st_fastbackend.model
 from st_fastbackend import SentenceTransformer
+from st_fastbackend.embedder import Embedder
 from st_fastbackend.engine import schedule
 from st_fastbackend.engine.batch import plan_batches
 from st_fastbackend.serve.batcher import Batcher, Job
+from st_fastbackend.serve.metrics import Metrics
 
 
 def test_plan_batches_bounds_texts_and_tokens():
@@ -68,7 +69,7 @@ def test_error_names_the_callers_index_across_chunks(st_model, monkeypatch):
     """A text with no tokens at all (possible with tokenizers that add no special tokens)."""
     monkeypatch.setattr(st_fastbackend.model, "TOKENIZE_CHUNK", 3)
     model = SentenceTransformer(str(st_model("qwen2", pooling_mode="mean")), backend="fast", device=DEVICE)
-    monkeypatch.setattr(model[0], "token_ids", lambda texts, max_length=None: [[5] if t else [] for t in texts])
+    monkeypatch.setattr(model[0].texts, "_token_ids", lambda texts, max_length: [[5] if t else [] for t in texts])
     with pytest.raises(ValueError, match="Input 4 "):
         model.encode(["a", "b", "c", "d", "", "f"])
 
@@ -119,8 +120,8 @@ def test_server_worker_splits_a_pack_that_runs_out_of_memory(model, texts, monke
         return real_forward(sequences, *args, **kwargs)
 
     monkeypatch.setattr(model, "forward_sequences", forward)
-    batcher = Batcher(model, 100_000, 1000, CollectorRegistry())
-    futures = [batcher.submit(Job(token_ids=model[0].tokenize_texts([text]), prompt=None)) for text in texts]
+    batcher = Batcher(Embedder(model), 100_000, 1000, Metrics())
+    futures = [batcher.submit(Job(token_ids=model[0].texts.encode([text]), prompt=None)) for text in texts]
     batcher.start()  # all requests are queued: the worker takes them as one batch
     batcher.stop()
     assert failures

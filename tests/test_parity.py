@@ -23,8 +23,8 @@ def test_every_family_and_pooling_mode_matches_plain(st_model, texts, family, po
     plain, fast = load_both(st_model(family, pooling_mode=pooling_mode))
     assert isinstance(fast[0], PackedTransformer) and isinstance(fast[1], PackedPooling)
     assert fast.get_backend() == "fast"
-    assert max(len(ids) for ids in fast[0].token_ids(texts)) == fast.max_seq_length == 256  # truncation hit
-    assert min(len(ids) for ids in fast[0].token_ids(texts)) == 1
+    assert max(len(ids) for ids in fast[0].texts.encode(texts)) == fast.max_seq_length == 256  # truncation hit
+    assert min(len(ids) for ids in fast[0].texts.encode(texts)) == 1
     assert max_diff(plain.encode(texts, batch_size=8), fast.encode(texts, batch_size=8)) <= TOLERANCE
 
 

@@ -114,3 +114,48 @@ def keep_special_token_flags(source: Path, target: Path) -> None:
 def tokenizer_config(folder: Path) -> dict[str, Any]:
     path = folder / "tokenizer_config.json"
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+class TextTokenizer:
+    """Texts -> token ids as the model expects them: the prompt first, BOS/EOS as tokenizer_config.json
+    asks, truncated to `max_length` (default max_seq_length, the tokenizer's model_max_length), no padding.
+    `encode` is the one way text enters the fast backend (encode(), the server, the corpus job)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, add_bos: bool, add_eos: bool) -> None:
+        self.tokenizer, self.add_bos, self.add_eos = tokenizer, add_bos, add_eos
+        self._prompt_lengths: dict[str, int] = {}
+
+    def encode(
+        self, texts: list[str], prompt: str | None = None, max_length: int | None = None, first_index: int = 0
+    ) -> list[list[int]]:
+        """Token ids of prompt + text for each text; an input without any token is an error naming it
+        (as `first_index` + its position, the caller's numbering)."""
+        sequences = self._token_ids([prompt + text for text in texts] if prompt else texts, max_length)
+        for index, ids in enumerate(sequences):
+            if not ids:
+                raise ValueError(
+                    f"Input {first_index + index} ({texts[index][:80]!r}) has no tokens; there is nothing to embed."
+                )
+        return sequences
+
+    def count(self, text: str, prompt: str | None, max_length: int) -> int:
+        """Tokens of prompt + text, counted up to `max_length`."""
+        return len(self._token_ids([prompt + text if prompt else text], max_length)[0])
+
+    def prompt_length(self, prompt: str) -> int:
+        """Prompt tokens at the start of each text, without a trailing special token (as sentence-transformers).
+        Measured once per prompt: call it before tokenizing on another thread (a tokenizer is not thread-safe)."""
+        if prompt not in self._prompt_lengths:
+            ids = self._token_ids([prompt], None)[0]
+            trailing_special = bool(ids) and ids[-1] in self.tokenizer.all_special_ids
+            self._prompt_lengths[prompt] = len(ids) - trailing_special
+        return self._prompt_lengths[prompt]
+
+    def _token_ids(self, texts: list[str], max_length: int | None) -> list[list[int]]:
+        extra = int(self.add_bos) + int(self.add_eos)
+        limit = {"max_length": (max_length or self.tokenizer.model_max_length) - extra} if extra or max_length else {}
+        encoded = self.tokenizer(
+            texts, truncation="longest_first", return_attention_mask=False, return_token_type_ids=False, **limit
+        )["input_ids"]
+        bos, eos = [self.tokenizer.bos_token_id] * self.add_bos, [self.tokenizer.eos_token_id] * self.add_eos
+        return [bos + ids + eos for ids in encoded] if extra else encoded

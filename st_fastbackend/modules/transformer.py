@@ -26,6 +26,7 @@ from st_fastbackend.engine.spec import UnsupportedModelError
 from st_fastbackend.engine.weights import INDEX_FILE, checkpoint_files, load_weights
 from st_fastbackend.modules.files import resolve_folder
 from st_fastbackend.modules.tokenizer import (
+    TextTokenizer,
     check_texts,
     check_tokenizer_files,
     keep_special_token_flags,
@@ -100,8 +101,7 @@ class PackedTransformer(InputModule):
         self.do_lower_case = do_lower_case
         if do_lower_case:
             lowercase_input(self.tokenizer)
-        self.add_bos, self.add_eos = missing_special_tokens(self.folder, self.tokenizer)
-        self._prompt_lengths: dict[str, int] = {}
+        self.texts = TextTokenizer(self.tokenizer, *missing_special_tokens(self.folder, self.tokenizer))
 
     # -- loading -------------------------------------------------------------------------------
 
@@ -189,45 +189,13 @@ class PackedTransformer(InputModule):
         if processing_kwargs:
             raise UnsupportedModelError("processing_kwargs in encode()")
         check_texts(inputs)
-        return self.pack(self.tokenize_texts(inputs, prompt), prompt)
-
-    def tokenize_texts(
-        self, texts: list[str], prompt: str | None = None, first_index: int = 0, max_length: int | None = None
-    ) -> list[list[int]]:
-        """Token ids of prompt + text for each text; an input without any token is an error naming it
-        (as `first_index` + its position, the caller's numbering)."""
-        sequences = self.token_ids([prompt + text for text in texts] if prompt else texts, max_length)
-        for index, ids in enumerate(sequences):
-            if not ids:
-                raise ValueError(
-                    f"Input {first_index + index} ({texts[index][:80]!r}) has no tokens; there is nothing to embed."
-                )
-        return sequences
+        return self.pack(self.texts.encode(inputs, prompt), prompt)
 
     def pack(self, sequences: list[list[int]], prompt: str | None = None) -> dict[str, Any]:
         features: dict[str, Any] = {"packed": PackedBatch.from_sequences(sequences, self.model.position_offset)}
         if prompt:
-            features["prompt_length"] = self.prompt_length(prompt)
+            features["prompt_length"] = self.texts.prompt_length(prompt)
         return features
-
-    def token_ids(self, texts: list[str], max_length: int | None = None) -> list[list[int]]:
-        """Token ids as the model expects them, truncated to `max_length` (default max_seq_length),
-        without padding."""
-        extra = int(self.add_bos) + int(self.add_eos)
-        limit = {"max_length": (max_length or self.max_seq_length) - extra} if extra or max_length else {}
-        encoded = self.tokenizer(
-            texts, truncation="longest_first", return_attention_mask=False, return_token_type_ids=False, **limit
-        )["input_ids"]
-        bos, eos = [self.tokenizer.bos_token_id] * self.add_bos, [self.tokenizer.eos_token_id] * self.add_eos
-        return [bos + ids + eos for ids in encoded] if extra else encoded
-
-    def prompt_length(self, prompt: str) -> int:
-        """Prompt tokens at the start of each text, without a trailing special token (as sentence-transformers)."""
-        if prompt not in self._prompt_lengths:
-            ids = self.token_ids([prompt])[0]
-            trailing_special = bool(ids) and ids[-1] in self.tokenizer.all_special_ids
-            self._prompt_lengths[prompt] = len(ids) - trailing_special
-        return self._prompt_lengths[prompt]
 
     def forward(self, features: dict[str, Any], **kwargs) -> dict[str, Any]:
         runtime = self.runtime

@@ -13,12 +13,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
-from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from st_fastbackend.engine.schedule import Schedule
+from st_fastbackend.embedder import Embedder
+from st_fastbackend.serve.metrics import Metrics
 
 logger = logging.getLogger(__name__)
-SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
 class ShuttingDown(RuntimeError):
@@ -34,42 +33,17 @@ class Job:
 
 
 class Batcher:
-    def __init__(
-        self, model, max_tokens_per_batch: int, max_batch_size: int, registry: CollectorRegistry, dynamic=True
-    ):
-        self.model = model
+    def __init__(self, embedder: Embedder, max_tokens_per_batch: int, max_batch_size: int, metrics: Metrics,
+                 dynamic: bool = True) -> None:  # fmt: skip
+        self.embedder = embedder
         self.max_tokens_per_batch = max_tokens_per_batch
         self.max_batch_size = max_batch_size
+        self.metrics = metrics
         self.dynamic = dynamic  # False: one request per forward (the baseline the benchmark compares with)
         self._pending: deque[Job] = deque()
         self._wake = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="embedding-worker", daemon=True)
-        self.queue_wait = Histogram(
-            "embedding_queue_wait_seconds", "Time a request waits for the worker", buckets=SECONDS, registry=registry
-        )
-        self.compute = Histogram(
-            "embedding_compute_seconds", "Forward time per packed batch", buckets=SECONDS, registry=registry
-        )
-        self.batch_tokens = Histogram(
-            "embedding_batch_tokens",
-            "Tokens per packed batch",
-            buckets=(16, 64, 256, 1024, 4096, 16384, 65536),
-            registry=registry,
-        )
-        self.batch_texts = Histogram(
-            "embedding_batch_texts",
-            "Texts per packed batch",
-            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 1024),
-            registry=registry,
-        )
-        self.dropped = Counter(
-            "embedding_dropped_requests_total", "Requests whose client left before the model ran", registry=registry
-        )
-        self.reruns = Counter(
-            "embedding_batch_reruns_total", "Failed batches run again job by job to isolate the failure",
-            registry=registry,
-        )  # fmt: skip
 
     def start(self) -> None:
         self._thread.start()
@@ -102,11 +76,11 @@ class Batcher:
             now = time.perf_counter()
             jobs = []
             for job in taken:
-                self.queue_wait.observe(now - job.queued_at)
+                self.metrics.queue_wait.observe(now - job.queued_at)
                 if job.future.set_running_or_notify_cancel():
                     jobs.append(job)
                 else:
-                    self.dropped.inc()
+                    self.metrics.dropped.inc()
             self._embed_isolated(jobs)
 
     def _embed_isolated(self, jobs: list[Job]) -> None:
@@ -115,7 +89,7 @@ class Batcher:
             self._embed(jobs)
         except Exception as error:  # the worker must outlive any failure
             if len(jobs) > 1:
-                self.reruns.inc()
+                self.metrics.reruns.inc()
                 for job in jobs:
                     self._embed_isolated([job])
             elif jobs:
@@ -130,14 +104,14 @@ class Batcher:
             sequences.setdefault(job.prompt, []).extend((job, i, seq) for i, seq in enumerate(job.token_ids))
         for prompt, items in sequences.items():
             all_ids = [seq for _, _, seq in items]
-            schedule = Schedule(self.model, prompt, self.model.device, self.max_batch_size, self.max_tokens_per_batch)
+            schedule = self.embedder.schedule(prompt, self.max_batch_size, self.max_tokens_per_batch)
             start = time.perf_counter()
             with torch.inference_mode():
                 for picked, out in schedule.run(all_ids):
                     embeddings = out["sentence_embedding"].float().cpu()
-                    self.compute.observe(time.perf_counter() - start)
-                    self.batch_tokens.observe(sum(len(all_ids[i]) for i in picked))
-                    self.batch_texts.observe(len(picked))
+                    self.metrics.compute.observe(time.perf_counter() - start)
+                    self.metrics.batch_tokens.observe(sum(len(all_ids[i]) for i in picked))
+                    self.metrics.batch_texts.observe(len(picked))
                     for i, row in zip(picked, embeddings, strict=True):
                         job, index, seq = items[i]
                         results[id(job)][index] = (row, len(seq))

@@ -5,7 +5,8 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import Counter
+from starlette.exceptions import HTTPException
 
 
 class ApiError(Exception):
@@ -22,8 +23,8 @@ def server_error(error: BaseException) -> ApiError:
 class ErrorResponses:
     """Builds error responses and counts them by code (or type) in `embedding_errors_total`."""
 
-    def __init__(self, registry: CollectorRegistry):
-        self.total = Counter("embedding_errors_total", "Error responses by type", ["type"], registry=registry)
+    def __init__(self, total: Counter):
+        self.total = total
 
     def __call__(self, error: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
         self.total.labels(type=error.code or error.type).inc()
@@ -34,8 +35,17 @@ class ErrorResponses:
 def add_error_handlers(app: FastAPI, fail: ErrorResponses) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        if any(e["type"] == "json_invalid" for e in exc.errors()):
+            return fail(ApiError(400, "The request body is not valid JSON."))
         details = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         return fail(ApiError(400, f"Invalid request: {details}"))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        """Starlette's own: an unknown path (404), a method the path does not take (405, with Allow)."""
+        what = {404: "Invalid URL", 405: "Method not allowed"}.get(exc.status_code, exc.detail)
+        error = ApiError(exc.status_code, f"{what} ({request.method} {request.url.path}).", code=None)
+        return fail(error, headers=exc.headers)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:

@@ -14,11 +14,12 @@ _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class EmbeddingRequest(BaseModel):
-    # strict: no coercion, so [true, false] is not token ids [1, 0] and "8" is not 8
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # strict: no coercion, so [true, false] is not token ids [1, 0] and "8" is not 8. Fields OpenAI's API
+    # has and this server does not are accepted and ignored (logged at DEBUG), as OpenAI, vLLM and TEI do.
+    model_config = ConfigDict(extra="allow", strict=True)
 
     input: str | list[str] | list[int] | list[list[int]]
-    model: str | None = None
+    model: str | None = None  # optional: this server serves one model
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None  # accepted and ignored, as OpenAI documents it

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
+from st_fastbackend.embedder import Embedder
 from st_fastbackend.modules.tokenizer import clip_text
 
 
@@ -15,10 +16,10 @@ class InputError(ValueError):
 
 
 class RequestTokenizer:
-    def __init__(self, model, max_input_tokens: int):
-        self.transformer = model[0]
+    def __init__(self, embedder: Embedder, max_input_tokens: int):
+        self.embedder = embedder
         self.limit = max_input_tokens
-        self.vocab_size = self.transformer.config.vocab_size
+        self.vocab_size = embedder.vocab_size
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     async def __call__(
@@ -33,8 +34,6 @@ class RequestTokenizer:
         self.pool.shutdown()
 
     def _token_ids(self, texts, token_ids, prompt, truncate) -> list[list[int]]:
-        if prompt:  # measured (and cached) here, so the model's worker packs without touching the tokenizer
-            self.transformer.prompt_length(prompt)
         if token_ids is not None:
             return self._checked(token_ids, truncate)
         return self._tokenized(texts, prompt, truncate)
@@ -63,11 +62,11 @@ class RequestTokenizer:
         return len(seq) > self.limit
 
     def _count(self, text: str, prompt: str | None, max_length: int) -> int:
-        return len(self.transformer.token_ids([prompt + text if prompt else text], max_length)[0])
+        return self.embedder.texts.count(text, prompt, max_length)
 
     def _tokenize(self, texts: list[str], prompt: str | None, max_length: int) -> list[list[int]]:
-        """PackedTransformer's tokenization (prompt, special tokens, no-token check) at a length limit."""
+        """encode()'s tokenization (prompt, special tokens, no-token check) at a length limit."""
         try:
-            return self.transformer.tokenize_texts(texts, prompt, max_length=max_length)
+            return self.embedder.tokenize(texts, prompt, max_length)
         except ValueError as error:
             raise InputError(str(error)) from error

@@ -1,13 +1,7 @@
 """The real server process on a loopback port: OpenAI client for the happy paths, httpx for errors."""
 
 import base64
-import contextlib
-import os
 import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,109 +10,26 @@ import numpy as np
 import pytest
 import torch
 from helpers import DEVICE
+from serving import KEY, metric, start_server
 
 from st_fastbackend import SentenceTransformer
 
 openai = pytest.importorskip("openai")
-KEY = "test-key"
-PROMPTS = {"query": "query: "}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(folder, *extra: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    command = [sys.executable, "-m", "st_fastbackend.cli", "serve", str(folder), "--port", str(port),
-               "--served-model-name", "tiny", "--device", DEVICE, *extra]  # fmt: skip
-    process = subprocess.Popen(command, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                return process, url
-        except httpx.TransportError:
-            pass
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}")
-        time.sleep(0.2)
-    process.kill()
-    raise TimeoutError("server did not become healthy")
-
-
-def open_socket(url: str) -> socket.socket:
-    host, port = url.removeprefix("http://").split(":")
-    return socket.create_connection((host, int(port)), timeout=20)
-
-
-def request_head(path: str, headers: dict[str, str]) -> bytes:
-    lines = [f"POST {path} HTTP/1.1", "Host: test", *(f"{k}: {v}" for k, v in headers.items())]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode()
-
-
-def read_status(sock: socket.socket) -> int:
-    data = b""
-    while b"\r\n" not in data:
-        chunk = sock.recv(4096)
-        if not chunk:
-            raise ConnectionError(f"closed after {data!r}")
-        data += chunk
-    return int(data.split(b" ")[1])
-
-
-def metric(url: str, name: str, headers: dict | None = None) -> float:
-    """One sample of the server's /metrics, by its name with labels as the exposition writes them."""
-    for line in httpx.get(f"{url}/metrics", headers=headers).text.splitlines():
-        if line.rsplit(" ", 1)[0] == name:
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
-
-
-@contextlib.contextmanager
-def busy_worker(url: str, inputs: list[str], headers: dict):
-    """While the worker embeds `inputs` (one request): whatever is sent meanwhile queues up and is then
-    taken as one batch."""
-    taken = metric(url, "embedding_queue_wait_seconds_count", headers)
-    result = {}
-    thread = threading.Thread(
-        target=lambda: result.update(
-            response=httpx.post(f"{url}/v1/embeddings", json={"input": inputs}, headers=headers, timeout=300)
-        )
-    )
-    thread.start()
-    deadline = time.time() + 60
-    while metric(url, "embedding_queue_wait_seconds_count", headers) == taken and time.time() < deadline:
-        time.sleep(0.02)
-    yield
-    thread.join(300)
-    assert result["response"].status_code == 200
 
 
 @pytest.fixture(scope="module")
-def folder(st_model):
-    return st_model("mistral", pooling_mode="lasttoken", prompts=PROMPTS)
-
-
-@pytest.fixture(scope="module")
-def server(folder):
-    process, url = start_server(folder, "--api-key", KEY, "--max-batch-size", "64")  # inputs: max_seq_length 256
+def server(served_folder):
+    process, url = start_server(
+        served_folder, "--api-key", KEY, "--max-batch-size", "64"
+    )  # inputs: max_seq_length 256
     yield url
     process.terminate()
     process.wait(30)
 
 
 @pytest.fixture(scope="module")
-def model(folder):
-    return SentenceTransformer(str(folder), backend="fast", device=DEVICE)
+def model(served_folder):
+    return SentenceTransformer(str(served_folder), backend="fast", device=DEVICE)
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +45,7 @@ def test_float_and_base64_single_and_batch(client, model, texts):
         got = np.array([d.embedding for d in response.data])
         np.testing.assert_allclose(got, expected, atol=1e-5, rtol=0)
         assert [d.index for d in response.data] == list(range(len(expected)))
-        tokens = sum(len(ids) for ids in model[0].token_ids([inputs] if isinstance(inputs, str) else inputs))
+        tokens = sum(len(ids) for ids in model[0].texts.encode([inputs] if isinstance(inputs, str) else inputs))
         assert response.usage.prompt_tokens == response.usage.total_tokens == tokens
     raw = httpx.post(f"{client.base_url}embeddings", headers={"Authorization": f"Bearer {KEY}"},
                      json={"input": batch, "encoding_format": "base64"}).json()  # fmt: skip
@@ -150,7 +61,7 @@ def test_dimensions_and_token_ids_and_prompts(client, model, texts):
     response = client.embeddings.create(model="tiny", input=text, dimensions=16)
     expected = torch.nn.functional.normalize(torch.from_numpy(model.encode(text))[:16], dim=0).numpy()
     np.testing.assert_allclose(response.data[0].embedding, expected, atol=1e-5, rtol=0)
-    ids = model[0].token_ids([text, texts[6]])
+    ids = model[0].texts.encode([text, texts[6]])
     response = client.embeddings.create(model="tiny", input=ids)
     with torch.inference_mode():
         expected = model.forward_sequences(ids)["sentence_embedding"].numpy()
@@ -174,7 +85,7 @@ def test_models_health_and_metrics(server, client):
 @pytest.mark.parametrize(
     "body, status, fragment",
     [
-        ('{"input": ', 400, "Invalid request"),
+        ('{"input": ', 400, "not valid JSON"),
         ({"input": 3}, 400, "Invalid request"),
         ({"input": []}, 400, "empty"),
         ({"input": ""}, 400, "empty string"),
@@ -196,6 +107,25 @@ def test_bad_requests_get_openai_errors(server, body, status, fragment):
     assert fragment in error["message"] and error["type"]
     if status == 404:
         assert error["code"] == "model_not_found"
+
+
+def test_errors_outside_embeddings_have_openai_shape_and_health_takes_head(server):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    unknown = httpx.get(f"{server}/v1/nothing", headers=headers)
+    assert unknown.status_code == 404 and "Invalid URL (GET /v1/nothing)" in unknown.json()["error"]["message"]
+    wrong_method = httpx.get(f"{server}/v1/embeddings", headers=headers)
+    assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
+    assert wrong_method.json()["error"]["type"] == "invalid_request_error"
+    head = httpx.head(f"{server}/health")
+    assert head.status_code == 200 and head.content == b""
+
+
+def test_unknown_request_fields_are_ignored(server, model):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"input": "hello there", "service_tier": "auto", "extra": {"a": 1}}
+    response = httpx.post(f"{server}/v1/embeddings", json=body, headers=headers)
+    assert response.status_code == 200
+    np.testing.assert_allclose(response.json()["data"][0]["embedding"], model.encode("hello there"), atol=1e-5)
 
 
 def test_long_input_is_truncated_by_default_as_encode_does(client, model):
@@ -243,8 +173,8 @@ def test_concurrent_clients_get_their_own_embeddings(server, model, texts):
     assert batch_counts
 
 
-def test_sigterm_finishes_in_flight_requests(folder, texts):
-    process, url = start_server(folder, "--max-batch-size", "1000")
+def test_sigterm_finishes_in_flight_requests(served_folder, texts):
+    process, url = start_server(served_folder, "--max-batch-size", "1000")
     many = [t for t in texts if t] * 20
     with ThreadPoolExecutor(4) as executor:
         futures = [

@@ -6,21 +6,15 @@ import time
 
 import httpx
 import pytest
-from test_serve import KEY, PROMPTS, metric, open_socket, read_status, request_head, rss_bytes, start_server
+from serving import HEADERS, KEY, metric, open_socket, read_status, request_head, rss_bytes, start_server
 
 LIMIT = 2**20  # --max-body-bytes
-HEADERS = {"Authorization": f"Bearer {KEY}"}
 JSON = {**HEADERS, "Content-Type": "application/json"}
 
 
 @pytest.fixture(scope="module")
-def folder(st_model):
-    return st_model("mistral", pooling_mode="lasttoken", prompts=PROMPTS)
-
-
-@pytest.fixture(scope="module")
-def served(folder):
-    process, url = start_server(folder, "--api-key", KEY, "--max-body-bytes", str(LIMIT),
+def served(served_folder):
+    process, url = start_server(served_folder, "--api-key", KEY, "--max-body-bytes", str(LIMIT),
                                 "--max-request-chars", "300000")  # fmt: skip
     yield process, url
     process.terminate()
@@ -86,8 +80,8 @@ def test_every_path_but_health_needs_the_key(served):
     assert metric(url, 'embedding_errors_total{type="invalid_api_key"}', HEADERS) >= 5
 
 
-def test_stalled_body_gets_408_and_does_not_hold_up_sigterm(folder):
-    process, url = start_server(folder, "--api-key", KEY, "--public-metrics", "--body-timeout", "1")
+def test_stalled_body_gets_408_and_does_not_hold_up_sigterm(served_folder):
+    process, url = start_server(served_folder, "--api-key", KEY, "--public-metrics", "--body-timeout", "1")
     try:
         assert httpx.get(f"{url}/metrics").status_code == 200  # --public-metrics
         assert httpx.get(f"{url}/docs").status_code == 401

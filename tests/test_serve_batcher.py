@@ -12,27 +12,20 @@ import pytest
 from builders import WORDS
 from helpers import DEVICE
 from safetensors.torch import load_file, save_file
-from test_serve import KEY, PROMPTS, busy_worker, metric, open_socket, request_head, start_server
+from serving import HEADERS, KEY, busy_worker, metric, open_socket, request_head, start_server
 
 from st_fastbackend import SentenceTransformer
 from st_fastbackend.modules.tokenizer import clip_text
 
-HEADERS = {"Authorization": f"Bearer {KEY}"}
+
+@pytest.fixture(scope="module")
+def model(served_folder):
+    return SentenceTransformer(str(served_folder), backend="fast", device=DEVICE)
 
 
 @pytest.fixture(scope="module")
-def folder(st_model):
-    return st_model("mistral", pooling_mode="lasttoken", prompts=PROMPTS)
-
-
-@pytest.fixture(scope="module")
-def model(folder):
-    return SentenceTransformer(str(folder), backend="fast", device=DEVICE)
-
-
-@pytest.fixture(scope="module")
-def server(folder):
-    process, url = start_server(folder, "--api-key", KEY, "--max-batch-size", "2000")
+def server(served_folder):
+    process, url = start_server(served_folder, "--api-key", KEY, "--max-batch-size", "2000")
     yield url
     process.terminate()
     process.wait(30)
@@ -152,12 +145,10 @@ def test_long_texts_hold_up_no_one_and_embed_as_encode_does(server, model):
     "text", ["a b  c\n\nd\te " * 40, "word, word; (word) " * 40, "é ü " * 60 + "x" * 500, " lead " * 50]
 )
 def test_clip_text_keeps_the_tokens_truncation_keeps(model, text):
-    tokenizer, limit = model[0], 24
-    clipped = clip_text(
-        text, limit, lambda prefix: len(tokenizer.token_ids([prefix], limit + 1)[0]), chars_per_token=2
-    )
+    tokenizer, limit = model[0].texts, 24
+    clipped = clip_text(text, limit, lambda prefix: len(tokenizer.encode([prefix], max_length=limit + 1)[0]), 2)
     assert len(clipped) < len(text)
-    assert tokenizer.token_ids([clipped], limit) == tokenizer.token_ids([text], limit)
+    assert tokenizer.encode([clipped], max_length=limit) == tokenizer.encode([text], max_length=limit)
 
 
 def test_clip_text_with_a_wordpiece_tokenizer():

@@ -1,0 +1,40 @@
+"""What the server and the corpus job use of a fast model, and nothing else of it: prompt resolution,
+tokenization, the vocabulary, the output's shape, and packed runs through the one packing schedule."""
+
+from __future__ import annotations
+
+import torch
+from sentence_transformers.base.modules import Normalize
+
+from st_fastbackend.engine.schedule import Schedule
+from st_fastbackend.model import SentenceTransformer
+from st_fastbackend.modules import PackedTransformer
+from st_fastbackend.modules.tokenizer import TextTokenizer
+
+
+class Embedder:
+    def __init__(self, model: SentenceTransformer) -> None:
+        if not isinstance(model[0], PackedTransformer):
+            raise TypeError('Embedder needs a model loaded with backend="fast".')
+        self._model = model
+        self.texts: TextTokenizer = model[0].texts
+        self.dimension: int = model.get_embedding_dimension()
+        self.vocab_size: int = model[0].config.vocab_size
+        self.max_seq_length: int = model.max_seq_length
+        self.normalizes: bool = any(isinstance(module, Normalize) for module in model)
+        self.device: torch.device = model.device
+
+    def resolve_prompt(self, prompt: str | None, prompt_name: str | None) -> str | None:
+        """As encode() resolves it: `prompt`, else the model's prompt named `prompt_name`, else the model's
+        default prompt; None for none. ValueError for an unknown name."""
+        return self._model._resolve_prompt(prompt, prompt_name) or None
+
+    def tokenize(self, texts: list[str], prompt: str | None, max_length: int | None = None) -> list[list[int]]:
+        """Token ids of prompt + text as encode() makes them; ValueError names an input without tokens."""
+        if prompt:  # measured (and cached) here, on the caller's thread, so packing never tokenizes
+            self.texts.prompt_length(prompt)
+        return self.texts.encode(texts, prompt, max_length)
+
+    def schedule(self, prompt: str | None, max_texts: int, max_tokens: int) -> Schedule:
+        """The packing schedule (engine/schedule.py) for sequences tokenized with `prompt`."""
+        return Schedule(self._model, prompt, self.device, max_texts, max_tokens)

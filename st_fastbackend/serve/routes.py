@@ -1,0 +1,146 @@
+"""The endpoints: OpenAI's /v1/embeddings and /v1/models, plus /health and /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import orjson
+import torch
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from st_fastbackend.embedder import Embedder
+from st_fastbackend.serve.batcher import Batcher, Job, ShuttingDown
+from st_fastbackend.serve.errors import ApiError, server_error
+from st_fastbackend.serve.limits import Limits
+from st_fastbackend.serve.metrics import Metrics
+from st_fastbackend.serve.schema import EmbeddingRequest, check_unicode, request_inputs
+from st_fastbackend.serve.tokens import InputError, RequestTokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Served:
+    """What the endpoints serve: the model (through its narrow interface), under its name, with the
+    request tokenizer, the worker, the limits and the metrics."""
+
+    embedder: Embedder
+    name: str
+    tokenizer: RequestTokenizer
+    batcher: Batcher
+    limits: Limits
+    max_batch_size: int
+    metrics: Metrics
+    ready: bool = False  # the model has answered its warm-up request
+
+
+def routes(served: Served) -> APIRouter:
+    router = APIRouter()
+
+    @router.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with HEAD
+    async def health() -> Response:
+        return JSONResponse({"status": "ok" if served.ready else "loading"}, status_code=200 if served.ready else 503)
+
+    @router.get("/metrics")
+    async def metrics() -> Response:
+        return Response(served.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @router.get("/v1/models")
+    async def models() -> dict:
+        served.metrics.requests.labels(endpoint="/v1/models").inc()
+        card = {"id": served.name, "object": "model", "created": 0, "owned_by": "st_fastbackend"}
+        return {"object": "list", "data": [card]}
+
+    @router.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        served.metrics.requests.labels(endpoint="/v1/embeddings").inc()
+        if body.model_extra:
+            logger.debug(f"Ignored request fields: {sorted(body.model_extra)}")
+        rows = await _embed(served, body, request)
+        if rows is None:
+            return Response(status_code=499)  # nginx's "client closed request"; no one reads it
+        return _response(rows, body, served.name, served.embedder.normalizes)
+
+    return router
+
+
+async def _embed(served: Served, body: EmbeddingRequest, request: Request) -> list | None:
+    """(embedding, token count) per input, or None when the client left first."""
+    if body.model is not None and body.model != served.name:
+        raise ApiError(404, f"The model {body.model!r} does not exist; this server serves {served.name!r}.",
+                       code="model_not_found")  # fmt: skip
+    texts, token_ids = request_inputs(body.input, served.max_batch_size, served.limits.max_request_chars)
+    if body.dimensions is not None and body.dimensions > served.embedder.dimension:
+        raise ApiError(400, f"dimensions={body.dimensions} exceeds the model's {served.embedder.dimension}.")
+    prompt = _prompt(served.embedder, body)
+    if prompt and token_ids is not None:
+        raise ApiError(400, "prompt and prompt_name apply to text input, not to token ids.")
+    try:
+        ids = await served.tokenizer(texts, token_ids, prompt, body.truncate)
+        return await _unless_client_left(served.batcher.submit(Job(token_ids=ids, prompt=prompt)), request)
+    except InputError as error:
+        raise ApiError(400, str(error)) from error
+    except ShuttingDown as error:
+        raise ApiError(503, str(error), type="server_error") from error
+    except Exception as error:
+        logger.exception("Request failed")
+        raise server_error(error) from error
+
+
+async def _unless_client_left(job: asyncio.Future, request: Request) -> list | None:
+    """The job's result, or None once the client disconnects; a job the worker has not taken yet is then
+    cancelled and never reaches the model."""
+    result = asyncio.wrap_future(job)
+    left = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({result, left}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+    if result.done():
+        return result.result()
+    result.cancel()  # cancels the job too, unless the worker is running it
+    return None
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client goes: the body is read, so the server's next event is http.disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _prompt(embedder: Embedder, body: EmbeddingRequest) -> str | None:
+    try:
+        prompt = embedder.resolve_prompt(body.prompt, body.prompt_name)
+    except ValueError as error:
+        raise ApiError(400, str(error)) from error
+    if prompt:
+        check_unicode(prompt, "The prompt")
+    return prompt
+
+
+def _response(rows: list, body: EmbeddingRequest, served_model_name: str, normalizes: bool) -> Response:
+    data = []
+    for index, (row, _) in enumerate(rows):
+        vector = row[: body.dimensions] if body.dimensions else row
+        if body.dimensions and normalizes:
+            vector = torch.nn.functional.normalize(vector, dim=0)
+        data.append({"object": "embedding", "index": index, "embedding": _encode(vector, body.encoding_format)})
+    tokens = sum(n for _, n in rows)
+    usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+    # orjson writes the float32 arrays directly (shortest form that reads back to the same float32),
+    # skipping FastAPI's encoder walk and a Python float per value.
+    payload = {"object": "list", "data": data, "model": served_model_name, "usage": usage}
+    return Response(orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json")
+
+
+def _encode(vector: torch.Tensor, encoding_format: str) -> np.ndarray | str:
+    array = vector.numpy().astype("<f4")
+    if encoding_format == "base64":  # little-endian float32, as OpenAI's client decodes it
+        return base64.b64encode(array.tobytes()).decode("ascii")
+    return array

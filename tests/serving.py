@@ -1,0 +1,95 @@
+"""Running the real server in a subprocess on a loopback port, and talking to it at the HTTP level."""
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+from helpers import DEVICE
+
+KEY = "test-key"
+HEADERS = {"Authorization": f"Bearer {KEY}"}
+PROMPTS = {"query": "query: "}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(folder, *extra: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    command = [sys.executable, "-m", "st_fastbackend.cli", "serve", str(folder), "--port", str(port),
+               "--served-model-name", "tiny", "--device", DEVICE, *extra]  # fmt: skip
+    process = subprocess.Popen(command, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return process, url
+        except httpx.TransportError:
+            pass
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}")
+        time.sleep(0.2)
+    process.kill()
+    raise TimeoutError("server did not become healthy")
+
+
+def open_socket(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=20)
+
+
+def request_head(path: str, headers: dict[str, str]) -> bytes:
+    lines = [f"POST {path} HTTP/1.1", "Host: test", *(f"{k}: {v}" for k, v in headers.items())]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def read_status(sock: socket.socket) -> int:
+    data = b""
+    while b"\r\n" not in data:
+        chunk = sock.recv(4096)
+        if not chunk:
+            raise ConnectionError(f"closed after {data!r}")
+        data += chunk
+    return int(data.split(b" ")[1])
+
+
+def metric(url: str, name: str, headers: dict | None = None) -> float:
+    """One sample of the server's /metrics, by its name with labels as the exposition writes them."""
+    for line in httpx.get(f"{url}/metrics", headers=headers).text.splitlines():
+        if line.rsplit(" ", 1)[0] == name:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
+@contextlib.contextmanager
+def busy_worker(url: str, inputs: list[str], headers: dict):
+    """While the worker embeds `inputs` (one request): whatever is sent meanwhile queues up and is then
+    taken as one batch."""
+    taken = metric(url, "embedding_queue_wait_seconds_count", headers)
+    result = {}
+    thread = threading.Thread(
+        target=lambda: result.update(
+            response=httpx.post(f"{url}/v1/embeddings", json={"input": inputs}, headers=headers, timeout=300)
+        )
+    )
+    thread.start()
+    deadline = time.time() + 60
+    while metric(url, "embedding_queue_wait_seconds_count", headers) == taken and time.time() < deadline:
+        time.sleep(0.02)
+    yield
+    thread.join(300)
+    assert result["response"].status_code == 200
