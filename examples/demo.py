@@ -1,11 +1,14 @@
 """The main job in one run: embed a few hundred sentences with plain sentence-transformers and with
 the fast backend on the bundled all-MiniLM-L6-v2, print the speed-up side by side, then search.
 
-Sentences come from STS-B in ../shared/data when it is there, else from the short list below.
+Sentences come from STS-B's test set in the data directory when it is there (--data-dir, else
+$ST_FASTBACKEND_DATA_DIR, else ../shared/data beside this repository), else from the 732 STS-B image and
+SNLI captions shipped in examples/data (CC BY-SA, see examples/data/SOURCE.md).
 """
 
 from __future__ import annotations
 
+import argparse
 import csv
 import os
 import statistics
@@ -19,27 +22,21 @@ from sentence_transformers import SentenceTransformer as PlainSentenceTransforme
 
 from st_fastbackend import SentenceTransformer
 
-STSB = Path(__file__).resolve().parents[2] / "shared" / "data" / "stsb" / "stsb-test.tsv"
-FALLBACK = [
-    "A man is playing a guitar on a stage.",
-    "The cat sleeps on the warm windowsill.",
-    "Stock markets fell sharply after the announcement.",
-    "The recipe needs two cups of flour and an egg.",
-    "Researchers found a new species of frog in the rainforest.",
-    "The train to Boston leaves at nine in the morning.",
-    "She scored the winning goal in the final minute.",
-    "Heavy rain is expected across the region this weekend.",
-]
-QUERIES = ["A person plays music.", "Bad weather is coming.", "Sports news", "Cooking instructions"]
+HERE = Path(__file__).resolve().parent
+DEFAULT_DATA_DIR = Path(os.environ.get("ST_FASTBACKEND_DATA_DIR", HERE.parents[1] / "shared" / "data"))
+BUNDLED = HERE / "data" / "stsb-captions.txt"
+QUERIES = ["A person plays music.", "Dogs play in the snow.", "Someone rides a bicycle.", "A cat at the window."]
 
 
-def sentences(n: int = 400) -> list[str]:
-    if STSB.is_file():
-        with open(STSB, encoding="utf8", newline="") as f:
+def sentences(data_dir: Path, n: int) -> list[str]:
+    stsb = data_dir / "stsb" / "stsb-test.tsv"
+    if stsb.is_file():
+        with open(stsb, encoding="utf8", newline="") as f:
             rows = list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+        print(f"Sentences: STS-B test from {stsb}")
         return [r[key] for r in rows for key in ("sentence1", "sentence2")][:n]
-    print(f"(no STS-B at {STSB}: using {len(FALLBACK)} built-in sentences, repeated)")
-    return [f"{FALLBACK[i % len(FALLBACK)]} ({i})" for i in range(n)]
+    print(f"Sentences: the captions bundled in {BUNDLED.relative_to(HERE.parent)} (no STS-B under {data_dir})")
+    return BUNDLED.read_text(encoding="utf8").splitlines()[:n]
 
 
 def timed(model, texts: list[str], runs: int = 3) -> tuple[np.ndarray, float]:
@@ -53,12 +50,16 @@ def timed(model, texts: list[str], runs: int = 3) -> tuple[np.ndarray, float]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR, help="holds stsb/stsb-test.tsv")
+    parser.add_argument("--sentences", type=int, default=400, help="how many (STS-B test has 2,758)")
+    args = parser.parse_args()
     torch.set_num_threads(min(os.cpu_count() or 1, torch.get_num_threads()))
     path = str(get_model_path())
-    texts = sentences()
+    texts = sentences(args.data_dir, args.sentences)
     plain = PlainSentenceTransformer(path, device="cpu")
     fast = SentenceTransformer(path, backend="fast", device="cpu")
-    tokens = sum(len(ids) for ids in fast[0].texts.encode(texts))
+    tokens = len(fast.preprocess(texts)["packed"].input_ids)
     print(f"all-MiniLM-L6-v2, {len(texts)} sentences, {tokens} tokens, {torch.get_num_threads()} threads, CPU")
     print(f"fast backend: {fast[0]!r}")
 

@@ -193,15 +193,14 @@ def no_embeddings(model, truncate_dim: int | None, precision: str):
     return np.zeros((0, dim), dtype)
 
 
-def count_tokens(model, texts: list[str], prompt: str | None) -> int:
-    """Tokens the model saw, prompt included, after truncation (one more tokenizer pass, no forward)."""
-    if not texts:
-        return 0
-    texts = [prompt + text for text in texts] if prompt else texts
-    if getattr(model, "backend", None) == "fast":
-        return sum(len(ids) for ids in model[0].token_ids(texts))
-    encoded = model.tokenizer(texts, truncation=True, max_length=model.max_seq_length, return_attention_mask=False)
-    return sum(len(ids) for ids in encoded["input_ids"])
+def count_tokens(model, texts: list[str], prompt: str | None, chunk: int = 1024) -> int:
+    """Tokens the model saw, prompt included, after truncation: sentence-transformers' preprocess() a chunk
+    at a time (one more tokenizer pass, no forward)."""
+    total = 0
+    for start in range(0, len(texts), chunk):
+        features = model.preprocess(texts[start : start + chunk], prompt=prompt)
+        total += len(features["packed"].input_ids) if "packed" in features else int(features["attention_mask"].sum())
+    return total
 
 
 def _serve(args: argparse.Namespace) -> None:
