@@ -25,6 +25,7 @@ from st_fastbackend.engine.runtime import Kernel, Runtime, choose_runtime, resol
 from st_fastbackend.engine.spec import UnsupportedModelError
 from st_fastbackend.engine.weights import INDEX_FILE, checkpoint_files, load_weights
 from st_fastbackend.modules.files import resolve_folder
+from st_fastbackend.modules.options import check_model_kwargs, load_device, module_config, without_hub_kwargs
 from st_fastbackend.modules.tokenizer import (
     TextTokenizer,
     check_texts,
@@ -35,30 +36,6 @@ from st_fastbackend.modules.tokenizer import (
 )
 
 logger = logging.getLogger(__name__)
-
-# What sentence-transformers adds to model/processor/config kwargs for the Hub.
-_HUB_KWARGS = {"subfolder", "token", "cache_dir", "revision", "local_files_only", "trust_remote_code"}
-# model_kwargs that do not change the math; any other is refused.
-# ("device_map" naming one device: where the weights are read to.)
-_NEUTRAL_MODEL_KWARGS = _HUB_KWARGS | {
-    "dtype",
-    "torch_dtype",
-    "attn_implementation",
-    "low_cpu_mem_usage",
-    "device_map",
-}
-# sentence_bert_config.json keys read here; any other key with a non-default value is refused.
-_DEFAULT_MODULE_CONFIG = {
-    "transformer_task": "feature-extraction",
-    "module_output_name": "token_embeddings",
-    "processing_kwargs": {},
-    "unpad_inputs": None,
-    "query_length": None,
-    "document_length": None,
-    "query_expansion": None,
-}
-_TEXT_MODALITY = {"text": {"method": "forward", "method_output_name": "last_hidden_state"}}
-_INIT_KEYS = {"max_seq_length", "do_lower_case", "model_kwargs", "processor_kwargs", "config_kwargs"}
 
 
 class PackedTransformer(InputModule):
@@ -78,12 +55,11 @@ class PackedTransformer(InputModule):
         super().__init__()
         model_kwargs, processor_kwargs = dict(model_kwargs or {}), dict(processor_kwargs or {})
         self.folder = resolve_folder(model_name_or_path, **processor_kwargs) / processor_kwargs.get("subfolder", "")
-        config = AutoConfig.from_pretrained(self.folder, **_without_hub_kwargs(config_kwargs or {}))
-        if unknown := set(model_kwargs) - _NEUTRAL_MODEL_KWARGS:
-            raise UnsupportedModelError(f"model_kwargs {sorted(unknown)}")
+        config = AutoConfig.from_pretrained(self.folder, **without_hub_kwargs(config_kwargs or {}))
+        check_model_kwargs(model_kwargs)
         check_tokenizer_files(self.folder)  # before minutes of loading a large model
         self.model = build_engine(config)
-        device = _load_device(model_kwargs.get("device_map"))
+        device = load_device(model_kwargs.get("device_map"))
         load_weights(self.model, self.folder, device, resolve_dtype(model_kwargs, config))
         self.config = config
         self.onednn_copies = device.type == "cpu" and onednn.copies_fit(self.model)  # else PyTorch's products
@@ -94,7 +70,7 @@ class PackedTransformer(InputModule):
         if max_seq_length is not None and "model_max_length" not in processor_kwargs:
             processor_kwargs["model_max_length"] = max_seq_length
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
-            self.folder, **_without_hub_kwargs(processor_kwargs)
+            self.folder, **without_hub_kwargs(processor_kwargs)
         )
         if "model_max_length" not in processor_kwargs and getattr(config, "max_position_embeddings", -1) != -1:
             self.tokenizer.model_max_length = min(self.tokenizer.model_max_length, config.max_position_embeddings)
@@ -133,15 +109,7 @@ class PackedTransformer(InputModule):
             processor_kwargs=processor_kwargs,
             config_kwargs=config_kwargs,
         )
-        init_kwargs.pop("backend")
-        if (modalities := init_kwargs.pop("modality_config", _TEXT_MODALITY)) != _TEXT_MODALITY:
-            raise UnsupportedModelError(f"modality_config {modalities}")
-        for key, default in _DEFAULT_MODULE_CONFIG.items():
-            if (value := init_kwargs.pop(key, default)) not in (default, None):
-                raise UnsupportedModelError(f"{key}={value!r} in sentence_bert_config.json")
-        if unknown := set(init_kwargs) - _INIT_KEYS:
-            raise UnsupportedModelError(f"sentence_bert_config.json keys {sorted(unknown)}")
-        return cls(model_name_or_path, **init_kwargs)
+        return cls(model_name_or_path, **module_config(init_kwargs))
 
     # -- sentence-transformers' InputModule API -----------------------------------------------
 
@@ -237,19 +205,3 @@ class PackedTransformer(InputModule):
             f"PackedTransformer({self.get_config_dict()}, model_type={self.config.model_type!r}, "
             f"attention_kernel={self.attention_kernel!r}, product_dtype={self.product_dtype})"
         )
-
-
-def _without_hub_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The folder is already resolved; keyword arguments for the Hub do not apply to it."""
-    return {k: v for k, v in kwargs.items() if k not in _HUB_KWARGS}
-
-
-def _load_device(device_map) -> torch.device:
-    """Where the weights are read to: sentence-transformers' device_map naming one device (our
-    SentenceTransformer sets it to the model's device), else the CPU."""
-    if device_map is None:
-        return torch.device("cpu")
-    try:
-        return torch.device(device_map)
-    except (TypeError, RuntimeError, ValueError):
-        raise UnsupportedModelError(f"device_map={device_map!r} (one device, e.g. 'cuda:1', is supported)") from None
