@@ -13,7 +13,7 @@ import torch
 import transformers
 from sentence_transformers import SentenceTransformer as PlainSentenceTransformer
 from sentence_transformers.base.modules import Transformer
-from sentence_transformers.sentence_transformer.modules import Normalize, Pooling
+from sentence_transformers.sentence_transformer.modules import Dense, Normalize, Pooling
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -42,9 +42,26 @@ MODEL_CONFIGS = {
     "bert": dict(ENCODER_SIZES, model_type="bert", type_vocab_size=2),
     "roberta": dict(ENCODER_SIZES, model_type="roberta", type_vocab_size=1),
     "xlm-roberta": dict(ENCODER_SIZES, model_type="xlm-roberta", type_vocab_size=1, hidden_act="gelu_new"),
-}
-# What the tokenizer's post-processor adds: decoders <s> only; BERT [CLS] x [SEP]; RoBERTa <s> x </s>.
-TEMPLATES = {"bert": "<s> $A </s>", "roberta": "<s> $A </s>", "xlm-roberta": "<s> $A </s>"}
+    # EmbeddingGemma's shape in small: bidirectional, a sliding layer (|i - j| <= 8) then a full one, each with
+    # its own rope θ; query_pre_attn_scalar unlike head_dim, so the softmax scale is not 1/sqrt(head_dim).
+    "gemma3_text": dict(
+        TINY, model_type="gemma3_text", head_dim=32, query_pre_attn_scalar=24, sliding_window=16,
+        use_bidirectional_attention=True, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+    ),
+    # gte-modernbert-base's shape in small: global, local (|i - j| <= 8), local; global and local rope θ.
+    "modernbert": dict(
+        ENCODER_SIZES, model_type="modernbert", num_hidden_layers=3, local_attention=16,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 160000.0}},
+        cls_token_id=1, sep_token_id=2,
+    ),
+}  # fmt: skip
+# What the tokenizer's post-processor adds: decoders <s> only; BERT [CLS] x [SEP]; RoBERTa <s> x </s>;
+# EmbeddingGemma <bos> x <eos>; ModernBERT [CLS] x [SEP].
+TEMPLATES = {family: "<s> $A </s>" for family in ("bert", "roberta", "xlm-roberta", "gemma3_text", "modernbert")}
 
 
 def make_texts(n: int, seed: int = 1, max_words: int = 300) -> list[str]:
@@ -100,13 +117,22 @@ def build_st_model(
     max_seq_length: int = 128,
     prompts: dict[str, str] | None = None,
     do_lower_case: bool = False,
+    dense: tuple[int, ...] = (),
     **overrides,
 ) -> Path:
-    """A sentence-transformers folder (Transformer, Pooling, Normalize) saved by plain sentence-transformers."""
+    """A sentence-transformers folder (Transformer, Pooling, Normalize) saved by plain sentence-transformers;
+    `dense`: the output sizes of Dense layers (no bias, no activation) between Pooling and Normalize, as
+    EmbeddingGemma has them."""
     hf_folder = build_hf_model(folder / "hf", family, **overrides)
     transformer = Transformer(str(hf_folder), max_seq_length=max_seq_length, do_lower_case=do_lower_case)
     pooling = Pooling(transformer.get_embedding_dimension(), pooling_mode=pooling_mode, include_prompt=include_prompt)
-    model = PlainSentenceTransformer(modules=[transformer, pooling, Normalize()], prompts=prompts, device="cpu")
+    denses, width = [], pooling.get_embedding_dimension()
+    for size in dense:
+        torch.manual_seed(size)
+        denses.append(Dense(width, size, bias=False, activation_function=torch.nn.Identity()))
+        width = size
+    modules = [transformer, pooling, *denses, Normalize()]
+    model = PlainSentenceTransformer(modules=modules, prompts=prompts, device="cpu")
     model.save(str(folder / "st"))
     shutil.rmtree(hf_folder)
     return folder / "st"

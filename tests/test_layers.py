@@ -48,13 +48,15 @@ def test_linear_matches_f_linear_and_follows_weight_changes():
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_fused_gated_mlp_matches_the_unfused_one(bias):
-    """SiLU(gate) * up inside oneDNN's products equals the two-pass form (Llama's mlp_bias too)."""
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh", "gelu"])
+def test_fused_gated_mlp_matches_the_unfused_one(bias, act):
+    """act(gate) * up inside oneDNN's products equals the two-pass form (Llama's mlp_bias too; Gemma's
+    GELU-tanh; ModernBERT's GeGLU)."""
     torch.manual_seed(0)
-    spec = type("Spec", (), dict(hidden_size=64, intermediate_size=96, mlp_bias=bias))
+    spec = type("Spec", (), dict(hidden_size=64, intermediate_size=96, mlp_bias=bias, hidden_act=act))
     mlp, x = MLP(spec), torch.randn(29, 64)
     gate, up = F.linear(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias).chunk(2, dim=-1)
-    expected = F.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+    expected = F.linear(ACT2FN[act](gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
     mlp.gate_up_proj.product_dtype = mlp.down_proj.product_dtype = torch.float32
     with torch.inference_mode():
         torch.testing.assert_close(mlp(x), expected, atol=1e-5, rtol=1e-5)

@@ -71,7 +71,7 @@ def edit_config(folder, **changes):
     "changes, named",
     [
         (dict(model_type="gpt2", architectures=["GPT2Model"]), "'gpt2'"),
-        (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+        (dict(hidden_act="gelu_made_up"), "hidden_act 'gelu_made_up'"),
         (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
                                "long_factor": [1.0] * 8, "original_max_position_embeddings": 64}), "longrope"),
         (dict(is_causal=False), "is_causal"),

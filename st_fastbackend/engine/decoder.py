@@ -1,4 +1,4 @@
-"""Llama, Mistral, Qwen2 and Qwen3 as one packed decoder; the family differences are DecoderSpec flags.
+"""Llama, Mistral, Qwen2, Qwen3 and Gemma 3 as one packed decoder; the family differences are DecoderSpec flags.
 
 Activations are flat, [T, hidden] between layers and [T, heads, head_dim] inside attention. No KV
 cache, no LM head, no padding.
@@ -6,6 +6,7 @@ cache, no LM head, no padding.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from st_fastbackend.engine.attention import varlen_attention
@@ -23,18 +24,26 @@ DECODER_FUSED = {
     "up_proj": ("gate_up_proj", 1),
 }
 DECODER_IGNORED = ("lm_head.",)  # in *ForCausalLM checkpoints; embeddings never reach it
+# Each layer's norms: (before attention, on its output, before the MLP, on its output); "" where there is none.
+PRE_NORMS = ("input_layernorm", "", "post_attention_layernorm", "")  # Llama: before each sublayer
+SANDWICH_NORMS = (  # Gemma: before and after each sublayer
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
 
 
 class Attention(nn.Module):
     def __init__(self, spec: DecoderSpec, window: int | None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        self.window = window
+        self.window, self.causal, self.scale = window, spec.causal, spec.attention_scale
         q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         self.qkv_proj = Linear(spec.hidden_size, q_size + 2 * kv_size, bias=spec.qkv_bias)
         self.o_proj = Linear(q_size, spec.hidden_size, bias=spec.o_bias)
-        self.q_norm = RMSNorm(spec.head_dim, spec.norm_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(spec.head_dim, spec.norm_eps) if spec.qk_norm else None
+        self.q_norm = RMSNorm(spec.head_dim, spec.norm_eps, spec.norm_offset) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.norm_eps, spec.norm_offset) if spec.qk_norm else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: PackedBatch, runtime: Runtime) -> Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -42,10 +51,12 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq*D] -> [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv*D] -> [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # Qwen3: RMSNorm over each head before the rotation
+        if self.q_norm is not None:  # Qwen3, Gemma 3: RMSNorm over each head before the rotation
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = varlen_attention(q, k, v, batch, causal=True, window=self.window, runtime=runtime)
+        out = varlen_attention(
+            q, k, v, batch, causal=self.causal, window=self.window, runtime=runtime, scale=self.scale
+        )
         return self.o_proj(out.flatten(1))  # [T, Hq, D] -> [T, Hq*D] -> [T, hidden]
 
 
@@ -54,22 +65,29 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
         self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.hidden_act = spec.hidden_act
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(self.gate_up_proj.silu_mul(x))
+        return self.down_proj(self.gate_up_proj.gated(x, self.hidden_act))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: DecoderSpec, window: int | None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.norm_eps)
+        self.norm_names = SANDWICH_NORMS if spec.sandwich_norms else PRE_NORMS
+        for name in filter(None, self.norm_names):
+            setattr(self, name, RMSNorm(spec.hidden_size, spec.norm_eps, spec.norm_offset))
         self.self_attn = Attention(spec, window)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.norm_eps)
         self.mlp = MLP(spec)
 
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor, batch: PackedBatch, runtime: Runtime) -> Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, runtime)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        attn_in, attn_out, mlp_in, mlp_out = (getattr(self, name) if name else _same for name in self.norm_names)
+        h = h + attn_out(self.self_attn(attn_in(h), cos, sin, batch, runtime))
+        return h + mlp_out(self.mlp(mlp_in(h)))
+
+
+def _same(x: Tensor) -> Tensor:
+    return x
 
 
 class Decoder(nn.Module):
@@ -83,8 +101,8 @@ class Decoder(nn.Module):
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, window) for window in spec.windows)
-        self.norm = RMSNorm(spec.hidden_size, spec.norm_eps)
-        self.rotary = Rotary(spec.inv_freq, spec.rope_scaling)
+        self.norm = RMSNorm(spec.hidden_size, spec.norm_eps, spec.norm_offset)
+        self.rotary = nn.ModuleDict({key: Rotary(*table) for key, table in spec.rotaries.items()})
 
     def forward(self, batch: PackedBatch, runtime: Runtime) -> Tensor:
         """Token ids [T] -> final hidden states [T, hidden]."""
@@ -95,7 +113,9 @@ class Decoder(nn.Module):
                 "dynamic NTK rotary rescales per batch in Hugging Face; lower max_seq_length."
             )
         h = self.embed_tokens(batch.input_ids)  # [T, hidden]
-        cos, sin = self.rotary(batch.position_ids, h.dtype)  # [T, head_dim] each
-        for layer in self.layers:
-            h = layer(h, cos, sin, batch, runtime)
+        if self.spec.embed_scale is not None:  # Gemma: the factor in the model dtype, as transformers has it
+            h = h * torch.tensor(self.spec.embed_scale, dtype=h.dtype)
+        tables = {key: rotary(batch.position_ids, h.dtype) for key, rotary in self.rotary.items()}  # [T, D] pairs
+        for layer, key in zip(self.layers, self.spec.layer_rotaries, strict=True):
+            h = layer(h, *tables[key], batch, runtime)
         return self.norm(h)

@@ -1,6 +1,8 @@
-"""BERT, RoBERTa and XLM-RoBERTa as one packed bidirectional encoder (post-LayerNorm, learned positions).
+"""BERT, RoBERTa and XLM-RoBERTa as one packed bidirectional encoder (post-LayerNorm, learned positions);
+ModernBERT as a second (pre-LayerNorm, rotary positions, alternating global and local attention, GeGLU).
 
-Module names follow transformers' BertModel, so checkpoints load by name; query/key/value are fused.
+Module names follow transformers' BertModel and ModernBertModel, so checkpoints load by name; BERT's
+query/key/value are fused (ModernBERT's checkpoints hold them fused already).
 """
 
 from __future__ import annotations
@@ -9,9 +11,9 @@ from torch import Tensor, nn
 
 from st_fastbackend.engine.attention import varlen_attention
 from st_fastbackend.engine.batch import PackedBatch
-from st_fastbackend.engine.layers import Linear
+from st_fastbackend.engine.layers import Linear, Rotary, apply_rotary
 from st_fastbackend.engine.runtime import Runtime
-from st_fastbackend.engine.spec import EncoderSpec
+from st_fastbackend.engine.spec import EncoderSpec, ModernBertSpec
 
 ENCODER_FUSED = {"query": ("qkv", 0), "key": ("qkv", 1), "value": ("qkv", 2)}
 # Heads and buffers some checkpoints carry that embeddings never use.
@@ -119,3 +121,76 @@ class Encoder(nn.Module):
         for layer in self.encoder.layer:
             h = layer(h, batch, runtime)
         return h
+
+
+class ModernBertEmbeddings(nn.Module):
+    def __init__(self, spec: ModernBertSpec) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.norm = nn.LayerNorm(spec.hidden_size, eps=spec.norm_eps, bias=spec.norm_bias)
+
+    def forward(self, batch: PackedBatch) -> Tensor:
+        return self.norm(self.tok_embeddings(batch.input_ids))  # [T, hidden]
+
+
+class ModernBertAttention(nn.Module):
+    def __init__(self, spec: ModernBertSpec, window: int | None) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.window = spec.num_heads, spec.hidden_size // spec.num_heads, window
+        self.Wqkv = Linear(spec.hidden_size, 3 * spec.hidden_size, bias=spec.attention_bias)
+        self.Wo = Linear(spec.hidden_size, spec.hidden_size, bias=spec.attention_bias)
+
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, batch: PackedBatch, runtime: Runtime) -> Tensor:
+        q, k, v = self.Wqkv(h).view(-1, 3, self.num_heads, self.head_dim).unbind(1)  # [T, 3H] -> 3 x [T, heads, D]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = varlen_attention(q, k, v, batch, causal=False, window=self.window, runtime=runtime)
+        return self.Wo(out.flatten(1))  # [T, heads, D] -> [T, hidden]
+
+
+class ModernBertMLP(nn.Module):
+    def __init__(self, spec: ModernBertSpec) -> None:
+        super().__init__()
+        self.Wi = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
+        self.Wo = Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.hidden_act = spec.hidden_act
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.Wo(self.Wi.gated(x, self.hidden_act))  # act(input) * gate, the halves of Wi
+
+
+class ModernBertLayer(nn.Module):
+    def __init__(self, spec: ModernBertSpec, index: int) -> None:
+        super().__init__()
+        # The first layer reads the embedding norm's output: no norm of its own before attention.
+        norm = nn.LayerNorm(spec.hidden_size, eps=spec.norm_eps, bias=spec.norm_bias)
+        self.attn_norm = nn.Identity() if index == 0 else norm
+        self.attn = ModernBertAttention(spec, spec.windows[index])
+        self.mlp_norm = nn.LayerNorm(spec.hidden_size, eps=spec.norm_eps, bias=spec.norm_bias)
+        self.mlp = ModernBertMLP(spec)
+
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, batch: PackedBatch, runtime: Runtime) -> Tensor:
+        h = h + self.attn(self.attn_norm(h), cos, sin, batch, runtime)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class ModernBert(nn.Module):
+    fused: dict = {}
+    ignored = ("head.", "decoder.")  # ModernBertForMaskedLM's
+    prefixes = ("model.",)
+    position_offset = 0
+
+    def __init__(self, spec: ModernBertSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embeddings = ModernBertEmbeddings(spec)
+        self.layers = nn.ModuleList(ModernBertLayer(spec, i) for i in range(spec.num_layers))
+        self.final_norm = nn.LayerNorm(spec.hidden_size, eps=spec.norm_eps, bias=spec.norm_bias)
+        self.rotary = nn.ModuleDict({key: Rotary(*table) for key, table in spec.rotaries.items()})
+
+    def forward(self, batch: PackedBatch, runtime: Runtime) -> Tensor:
+        """Token ids [T] -> last hidden states [T, hidden]."""
+        h = self.embeddings(batch)
+        tables = {key: rotary(batch.position_ids, h.dtype) for key, rotary in self.rotary.items()}  # [T, D] pairs
+        for layer, key in zip(self.layers, self.spec.layer_rotaries, strict=True):
+            h = layer(h, *tables[key], batch, runtime)
+        return self.final_norm(h)

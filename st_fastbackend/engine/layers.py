@@ -34,15 +34,19 @@ class Linear(nn.Linear):
             return onednn.product(x, self._part(0, 1), activation=name)
         return _activation(name)(self(x))
 
-    def silu_mul(self, x: Tensor) -> Tensor:
-        """SiLU(gate) * up, where gate and up are the two halves of this layer's outputs (Llama's MLP).
-        Through oneDNN both run inside the halves' products, the result in the product dtype."""
-        if not self._onednn():
+    def gated(self, x: Tensor, name: str) -> Tensor:
+        """ACT2FN[name](gate) * up, where gate and up are the two halves of this layer's outputs (Llama's
+        SiLU MLP, Gemma's GELU-tanh MLP, ModernBERT's GeGLU). Through oneDNN both run inside the halves'
+        products, the result in the product dtype."""
+        if name not in onednn.ACTIVATIONS or not self._onednn():
             gate, up = self(x).chunk(2, dim=-1)
-            return F.silu(gate) * up
+            return _activation(name)(gate) * up
         x = x.to(self.product_dtype)  # once, for both halves
-        gate = onednn.product(x, self._part(0, 2), activation="silu")
+        gate = onednn.product(x, self._part(0, 2), activation=name)
         return onednn.product(x, self._part(1, 2), multiply=gate)
+
+    def silu_mul(self, x: Tensor) -> Tensor:
+        return self.gated(x, "silu")
 
     def _onednn(self) -> bool:
         return self.product_dtype is not None and not torch.is_grad_enabled()
@@ -75,16 +79,18 @@ def _activation(name: str) -> nn.Module:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(self, x: Tensor) -> Tensor:
-        # As transformers' LlamaRMSNorm: statistics in fp32, cast back before the weight multiply.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        if self.unit_offset:  # As Gemma3RMSNorm: times (1 + weight) in fp32, cast back after.
+            return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * x32.to(x.dtype)  # As LlamaRMSNorm: cast back before the weight multiply.
 
 
 class Rotary(nn.Module):

@@ -7,16 +7,18 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from st_fastbackend.engine.decoder import Decoder
-from st_fastbackend.engine.encoder import Encoder
+from st_fastbackend.engine.encoder import Encoder, ModernBert
 from st_fastbackend.engine.spec import (
     DECODER_FAMILIES,
     ENCODER_FAMILIES,
+    MODERNBERT_FAMILIES,
     DecoderSpec,
     EncoderSpec,
+    ModernBertSpec,
     UnsupportedModelError,
 )
 
-SUPPORTED_MODEL_TYPES = sorted([*DECODER_FAMILIES, *ENCODER_FAMILIES])
+SUPPORTED_MODEL_TYPES = sorted([*DECODER_FAMILIES, *ENCODER_FAMILIES, *MODERNBERT_FAMILIES])
 
 
 def build_engine(config: PretrainedConfig) -> nn.Module:
@@ -25,6 +27,8 @@ def build_engine(config: PretrainedConfig) -> nn.Module:
         engine_class, spec = Decoder, DecoderSpec.from_config(config)
     elif config.model_type in ENCODER_FAMILIES:
         engine_class, spec = Encoder, EncoderSpec.from_config(config)
+    elif config.model_type in MODERNBERT_FAMILIES:
+        engine_class, spec = ModernBert, ModernBertSpec.from_config(config)
     else:
         raise UnsupportedModelError(
             f"model_type {config.model_type!r} (architectures {config.architectures}; "

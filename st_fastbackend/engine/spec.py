@@ -28,13 +28,25 @@ DECODER_FAMILIES: dict[str, dict[str, bool | str]] = {
     "mistral": dict(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False),
     "qwen2": dict(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False),
     "qwen3": dict(qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False, qk_norm=True),
-}
+    # Gemma 3 (transformers' Gemma3TextModel): every norm times (1 + weight), norms after the attention and
+    # the MLP too, embeddings times sqrt(hidden); EmbeddingGemma sets use_bidirectional_attention.
+    "gemma3_text": dict(
+        qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False, qk_norm=True,
+        norm_offset=True, sandwich_norms=True, scaled_embeddings=True, bidirectional="use_bidirectional_attention",
+    ),
+}  # fmt: skip
+# What a family above does not say: Llama's.
+DECODER_DEFAULTS = dict(norm_offset=False, sandwich_norms=False, scaled_embeddings=False, bidirectional=False)
 # Families trained in bf16 whose activations overflow fp16's range (inf/NaN embeddings); their authors
-# advise bf16 (QwenLM/Qwen3#868, #761). fp16 only when asked for by name.
-FP16_OVERFLOWS = ("qwen2", "qwen3")
+# advise bf16 (QwenLM/Qwen3#868, #761; EmbeddingGemma's model card: no float16). fp16 only when asked by name.
+FP16_OVERFLOWS = ("qwen2", "qwen3", "gemma3_text")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 # model_type -> whether positions start after the padding index (RoBERTa's create_position_ids_from_input_ids).
 ENCODER_FAMILIES = {"bert": False, "roberta": True, "xlm-roberta": True}
+# Encoders with rotary positions, pre-norm layers and a gated MLP (engine/encoder.ModernBert).
+MODERNBERT_FAMILIES = ("modernbert",)
+LAYER_TYPES = ("full_attention", "sliding_attention")
+Rotaries = dict[str, tuple[torch.Tensor, float]]  # layer type -> (fp32 inv_freq [head_dim / 2], cos/sin factor)
 
 
 @dataclass(frozen=True)
@@ -52,22 +64,32 @@ class DecoderSpec:
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool
-    windows: tuple[int | None, ...]  # per layer: the sliding window, or None for full causal attention
-    inv_freq: torch.Tensor  # [head_dim / 2] fp32 rotary frequencies
-    rope_scaling: float  # multiplies cos and sin (yarn's attention factor; 1.0 otherwise)
+    norm_offset: bool  # RMSNorm times (1 + weight): Gemma
+    sandwich_norms: bool  # a norm on each sublayer's output too (Gemma's post_attention/post_feedforward)
+    embed_scale: float | None  # embeddings times this, rounded to the model dtype first (Gemma: sqrt(hidden))
+    hidden_act: str  # the gate's activation in act(gate) * up
+    causal: bool
+    attention_scale: float | None  # softmax scale; None: 1/sqrt(head_dim) (Gemma: query_pre_attn_scalar^-0.5)
+    windows: tuple[int | None, ...]  # per layer: the sliding window (attention.py's rule), or None
+    rotaries: Rotaries  # per rotary table, by layer type ("default" where one table serves every layer)
+    layer_rotaries: tuple[str, ...]  # per layer: its key in `rotaries`
     max_rope_positions: int | None  # dynamic NTK rotary: Hugging Face rescales beyond this length
 
     @classmethod
     def from_config(cls, config: PretrainedConfig) -> DecoderSpec:
-        family = DECODER_FAMILIES[config.model_type]
-        flags = {name: getattr(config, v, False) if isinstance(v, str) else v for name, v in family.items()}
-        if config.hidden_act != "silu":
-            raise UnsupportedModelError(f"hidden_act {config.hidden_act!r}")
+        family = {**DECODER_DEFAULTS, **DECODER_FAMILIES[config.model_type]}
+        flags = {name: bool(getattr(config, v, False)) if isinstance(v, str) else v for name, v in family.items()}
+        hidden_act = getattr(config, "hidden_act", None) or config.hidden_activation  # Gemma: hidden_activation
+        if hidden_act not in ACT2FN:
+            raise UnsupportedModelError(f"hidden_act {hidden_act!r}")
         if getattr(config, "is_causal", True) is False:
             raise UnsupportedModelError("A bidirectional decoder (is_causal=false)")
+        if getattr(config, "attn_logit_softcapping", None) is not None:  # Gemma 2's; Gemma 3 configs set None
+            raise UnsupportedModelError(f"attn_logit_softcapping={config.attn_logit_softcapping}")
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        inv_freq, rope_scaling, rope_type = _rotary(config, head_dim)
+        scalar = getattr(config, "query_pre_attn_scalar", None)
+        rotaries, layer_rotaries, dynamic = _rotaries(config, head_dim)
         return cls(
             model_type=config.model_type,
             vocab_size=config.vocab_size,
@@ -78,11 +100,20 @@ class DecoderSpec:
             head_dim=head_dim,
             intermediate_size=config.intermediate_size,
             norm_eps=config.rms_norm_eps,
+            qkv_bias=flags["qkv_bias"],
+            o_bias=flags["o_bias"],
+            mlp_bias=flags["mlp_bias"],
+            qk_norm=flags["qk_norm"],
+            norm_offset=flags["norm_offset"],
+            sandwich_norms=flags["sandwich_norms"],
+            embed_scale=config.hidden_size**0.5 if flags["scaled_embeddings"] else None,
+            hidden_act=hidden_act,
+            causal=not flags["bidirectional"],
+            attention_scale=scalar**-0.5 if scalar is not None and scalar != head_dim else None,
             windows=_layer_windows(config),
-            inv_freq=inv_freq,
-            rope_scaling=rope_scaling,
-            max_rope_positions=config.max_position_embeddings if rope_type == "dynamic" else None,
-            **flags,
+            rotaries=rotaries,
+            layer_rotaries=layer_rotaries,
+            max_rope_positions=config.max_position_embeddings if dynamic else None,
         )
 
 
@@ -123,8 +154,70 @@ class EncoderSpec:
         )
 
 
-def _rotary(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float, str]:
-    params = dict(config.rope_parameters or {})
+@dataclass(frozen=True)
+class ModernBertSpec:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    norm_eps: float
+    norm_bias: bool
+    attention_bias: bool
+    mlp_bias: bool
+    hidden_act: str  # the gate's activation in act(input) * gate (GeGLU: gelu)
+    windows: tuple[int | None, ...]  # per layer: local_attention // 2 + 1 (attention.py's rule), or None
+    rotaries: Rotaries
+    layer_rotaries: tuple[str, ...]
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig) -> ModernBertSpec:
+        if config.hidden_activation not in ACT2FN:
+            raise UnsupportedModelError(f"hidden_activation {config.hidden_activation!r}")
+        if unknown := set(config.layer_types) - set(LAYER_TYPES):
+            raise UnsupportedModelError(f"layer_types {sorted(unknown)}")
+        head_dim = config.hidden_size // config.num_attention_heads
+        rotaries, layer_rotaries, dynamic = _rotaries(config, head_dim)
+        if dynamic:
+            raise UnsupportedModelError("dynamic rope in a ModernBERT")
+        # transformers: |q - kv| <= local_attention // 2 (sliding_window_bidirectional_overlay)
+        window = config.local_attention // 2 + 1
+        return cls(
+            model_type=config.model_type,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=config.num_attention_heads,
+            intermediate_size=config.intermediate_size,
+            norm_eps=config.norm_eps,
+            norm_bias=config.norm_bias,
+            attention_bias=config.attention_bias,
+            mlp_bias=config.mlp_bias,
+            hidden_act=config.hidden_activation,
+            windows=tuple(window if kind == "sliding_attention" else None for kind in config.layer_types),
+            rotaries=rotaries,
+            layer_rotaries=layer_rotaries,
+        )
+
+
+def _rotaries(config: PretrainedConfig, head_dim: int) -> tuple[Rotaries, tuple[str, ...], bool]:
+    """The rotary tables, which one each layer takes, and whether one is dynamic NTK. Gemma 3 and ModernBERT
+    key `rope_parameters` by layer type (a θ for sliding layers, another for full ones)."""
+    params = config.rope_parameters or {}
+    if set(params) <= set(LAYER_TYPES) and params:
+        keys = tuple(config.layer_types)
+        tables = {key: _rotary(config, head_dim, params[key], key) for key in sorted(set(keys))}
+    else:
+        keys = ("default",) * config.num_hidden_layers
+        tables = {"default": _rotary(config, head_dim, params, None)}
+    rotaries = {key: (inv_freq, scaling) for key, (inv_freq, scaling, _) in tables.items()}
+    return rotaries, keys, any(rope_type == "dynamic" for _, _, rope_type in tables.values())
+
+
+def _rotary(
+    config: PretrainedConfig, head_dim: int, params: dict, layer_type: str | None
+) -> tuple[torch.Tensor, float, str]:
     rope_type = params.get("rope_type", "default")
     if rope_type not in ROPE_TYPES:
         raise UnsupportedModelError(f"rope type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
@@ -134,7 +227,8 @@ def _rotary(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, floa
         exponents = torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim
         return 1.0 / (params["rope_theta"] ** exponents), 1.0, rope_type
     # Dynamic NTK starts from the unscaled table and only changes past max_position_embeddings.
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    options = {} if layer_type is None else {"layer_type": layer_type}
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **options)
     return inv_freq, float(scaling), rope_type
 
 
