@@ -21,6 +21,7 @@ from sentence_transformers.util import get_device_name
 from torch import Tensor
 from tqdm.autonotebook import tqdm
 
+from st_fastbackend.engine.prefix import Prefix
 from st_fastbackend.engine.schedule import Schedule, default_max_tokens
 from st_fastbackend.engine.spec import UnsupportedModelError
 from st_fastbackend.modules import PackedPooling, PackedTransformer, check_texts
@@ -33,6 +34,12 @@ OUTPUT_VALUES = ("sentence_embedding", "token_embeddings", None)
 
 class SentenceTransformer(sentence_transformers.SentenceTransformer):
     _max_tokens_per_batch: int | None = None
+    # A prompt shared by the texts of an encode() call (or a server batch) is computed once, on causal
+    # decoders (engine/prefix.py); False runs it with every text, as plain sentence-transformers does.
+    prompt_reuse: bool = True
+
+    def prompt_prefix(self, prompt: str | None) -> Prefix | None:
+        return self[0].prefix_for(prompt) if self.prompt_reuse and self.backend == "fast" else None
 
     def __init__(self, model_name_or_path: str | None = None, *, backend: str = "torch", **kwargs: Any) -> None:
         if backend == "fast" and not hasattr(sentence_transformers.SentenceTransformer, "_inference"):
@@ -135,11 +142,17 @@ class SentenceTransformer(sentence_transformers.SentenceTransformer):
         return results
 
     def forward_sequences(
-        self, sequences: list[list[int]], prompt: str | None = None, device: torch.device | None = None, **kwargs
+        self,
+        sequences: list[list[int]],
+        prompt: str | None = None,
+        device: torch.device | None = None,
+        prefix: Prefix | None = None,
+        **kwargs,
     ) -> dict[str, Any]:
         """One packed forward pass over token-id sequences (already tokenized with `prompt`, if any):
-        every module's outputs, "sentence_embedding" [B, dim] among them."""
-        features = self[0].pack(sequences, prompt)
+        every module's outputs, "sentence_embedding" [B, dim] among them. With `prefix`, the sequences are
+        what follows that prompt computed once (engine/prefix.py)."""
+        features = self[0].pack(sequences, prompt, prefix)
         features["packed"] = features["packed"].to(device or self.device, non_blocking=True)
         return self(features, **kwargs)
 

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from st_fastbackend.engine.attention import varlen_attention
 from st_fastbackend.engine.batch import PackedBatch
 from st_fastbackend.engine.layers import Linear, RMSNorm, Rotary, apply_rotary
+from st_fastbackend.engine.prefix import LayerKV, Prefix, prefixed_attention
 from st_fastbackend.engine.runtime import Runtime
 from st_fastbackend.engine.spec import DecoderSpec
 
@@ -45,7 +46,11 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(spec.head_dim, spec.norm_eps, spec.norm_offset) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.norm_eps, spec.norm_offset) if spec.qk_norm else None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: PackedBatch, runtime: Runtime) -> Tensor:
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, batch: PackedBatch, runtime: Runtime, kv: LayerKV | None
+    ) -> Tensor:
+        """`kv`: this layer's part of a prompt computed once (engine/prefix.py): kept by the prefix pass,
+        attended to by the texts after it."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq*D] -> [T, Hq, D]
@@ -54,9 +59,14 @@ class Attention(nn.Module):
         if self.q_norm is not None:  # Qwen3, Gemma 3: RMSNorm over each head before the rotation
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = varlen_attention(
-            q, k, v, batch, causal=self.causal, window=self.window, runtime=runtime, scale=self.scale
-        )
+        if kv is not None and kv.keys is not None:  # texts after a prompt computed once
+            out = prefixed_attention(q, k, v, batch, kv, window=self.window, runtime=runtime, scale=self.scale)
+        else:
+            if kv is not None:  # the prompt's own pass: its keys and values serve every text after it
+                kv.keys, kv.values = k, v
+            out = varlen_attention(
+                q, k, v, batch, causal=self.causal, window=self.window, runtime=runtime, scale=self.scale
+            )
         return self.o_proj(out.flatten(1))  # [T, Hq, D] -> [T, Hq*D] -> [T, hidden]
 
 
@@ -80,9 +90,11 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(spec, window)
         self.mlp = MLP(spec)
 
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, batch: PackedBatch, runtime: Runtime) -> Tensor:
+    def forward(
+        self, h: Tensor, cos: Tensor, sin: Tensor, batch: PackedBatch, runtime: Runtime, kv: LayerKV | None
+    ) -> Tensor:
         attn_in, attn_out, mlp_in, mlp_out = (getattr(self, name) if name else _same for name in self.norm_names)
-        h = h + attn_out(self.self_attn(attn_in(h), cos, sin, batch, runtime))
+        h = h + attn_out(self.self_attn(attn_in(h), cos, sin, batch, runtime, kv))
         return h + mlp_out(self.mlp(mlp_in(h)))
 
 
@@ -104,18 +116,26 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.norm_eps, spec.norm_offset)
         self.rotary = nn.ModuleDict({key: Rotary(*table) for key, table in spec.rotaries.items()})
 
-    def forward(self, batch: PackedBatch, runtime: Runtime) -> Tensor:
-        """Token ids [T] -> final hidden states [T, hidden]."""
+    @property
+    def reuses_prefix(self) -> bool:
+        """A prompt's states do not depend on what follows it only under causal attention."""
+        return self.spec.causal
+
+    def forward(self, batch: PackedBatch, runtime: Runtime, prefix: Prefix | None = None) -> Tensor:
+        """Token ids [T] -> final hidden states [T, hidden]. With `prefix`: the prompt's own pass while its
+        states are not yet there (every layer keeps its keys and values), else the texts after it."""
+        before = prefix.length if prefix is not None and prefix.states is not None else 0
         limit = self.spec.max_rope_positions
-        if limit is not None and batch.max_seqlen > limit:
+        if limit is not None and before + batch.max_seqlen > limit:
             raise ValueError(
-                f"A {batch.max_seqlen}-token sequence exceeds max_position_embeddings={limit}, past which "
-                "dynamic NTK rotary rescales per batch in Hugging Face; lower max_seq_length."
+                f"A {before + batch.max_seqlen}-token sequence exceeds max_position_embeddings={limit}, past "
+                "which dynamic NTK rotary rescales per batch in Hugging Face; lower max_seq_length."
             )
         h = self.embed_tokens(batch.input_ids)  # [T, hidden]
         if self.spec.embed_scale is not None:  # Gemma: the factor in the model dtype, as transformers has it
             h = h * torch.tensor(self.spec.embed_scale, dtype=h.dtype)
         tables = {key: rotary(batch.position_ids, h.dtype) for key, rotary in self.rotary.items()}  # [T, D] pairs
-        for layer, key in zip(self.layers, self.spec.layer_rotaries, strict=True):
-            h = layer(h, *tables[key], batch, runtime)
+        kvs = prefix.layers if prefix is not None else [None] * len(self.layers)
+        for layer, key, kv in zip(self.layers, self.spec.layer_rotaries, kvs, strict=True):
+            h = layer(h, *tables[key], batch, runtime, kv)
         return self.norm(h)

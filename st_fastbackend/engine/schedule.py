@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import torch
 
 from st_fastbackend.engine.batch import plan_batches
+from st_fastbackend.engine.prefix import Prefix
 
 # Tokens per pack on a CPU: large enough for efficient matrix products, small enough that activations stay
 # in the tens of MiB for small models. A GPU sizes it from its free memory, never below MIN_GPU_TOKENS.
@@ -24,14 +25,28 @@ class Schedule:
     def __init__(self, model, prompt: str | None, device: torch.device, max_texts: int, max_tokens: int) -> None:
         self.model, self.prompt, self.device = model, prompt, device
         self.max_texts, self.max_tokens = max_texts, max_tokens
+        self.prefix = model.prompt_prefix(prompt)  # computed at its first use, then shared by every pack
 
     def run(self, sequences: list[list[int]], **kwargs) -> Iterator[tuple[list[int], dict]]:
         """Longest first (equal lengths side by side, which the CPU attention runs as one call)."""
-        order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
-        for pack in plan_batches([len(sequences[i]) for i in order], self.max_texts, self.max_tokens):
-            yield from self._run_pack(sequences, [order[j] for j in pack], **kwargs)
+        for prefix, own in self._groups(sequences):
+            order = sorted(own, key=lambda i: -len(own[i]))
+            for pack in plan_batches([len(own[i]) for i in order], self.max_texts, self.max_tokens):
+                yield from self._run_pack(own, [order[j] for j in pack], prefix, **kwargs)
 
-    def _run_pack(self, sequences: list[list[int]], pack: list[int], **kwargs) -> Iterator[tuple[list[int], dict]]:
+    def _groups(self, sequences: list[list[int]]) -> list[tuple[Prefix | None, dict[int, list[int]]]]:
+        """(None, the texts to run whole); with a prompt computed once, also (the prompt, the texts that
+        begin with exactly its tokens, without them)."""
+        if self.prefix is None:
+            return [(None, dict(enumerate(sequences)))]
+        follows = [self.prefix.follows(ids) for ids in sequences]
+        whole = {i: ids for i, ids in enumerate(sequences) if not follows[i]}
+        after = {i: ids[self.prefix.length :] for i, ids in enumerate(sequences) if follows[i]}
+        return [(None, whole), (self.prefix, after)]
+
+    def _run_pack(
+        self, sequences: dict[int, list[int]], pack: list[int], prefix: Prefix | None, **kwargs
+    ) -> Iterator[tuple[list[int], dict]]:
         packs = [pack]
         while packs:
             picked = packs.pop()
@@ -40,7 +55,8 @@ class Schedule:
                 packs += _halves(picked)
                 continue
             try:
-                out = self.model.forward_sequences([sequences[i] for i in picked], self.prompt, self.device, **kwargs)
+                ids = [sequences[i] for i in picked]
+                out = self.model.forward_sequences(ids, self.prompt, self.device, prefix=prefix, **kwargs)
             except torch.OutOfMemoryError:
                 if len(picked) == 1:
                     raise

@@ -123,7 +123,7 @@ class TextTokenizer:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, add_bos: bool, add_eos: bool) -> None:
         self.tokenizer, self.add_bos, self.add_eos = tokenizer, add_bos, add_eos
-        self._prompt_lengths: dict[str, int] = {}
+        self._prompts: dict[str, tuple[int, ...]] = {}
 
     def encode(
         self, texts: list[str], prompt: str | None = None, max_length: int | None = None, first_index: int = 0
@@ -143,13 +143,17 @@ class TextTokenizer:
         return len(self._token_ids([prompt + text if prompt else text], max_length)[0])
 
     def prompt_length(self, prompt: str) -> int:
-        """Prompt tokens at the start of each text, without a trailing special token (as sentence-transformers).
-        Measured once per prompt: call it before tokenizing on another thread (a tokenizer is not thread-safe)."""
-        if prompt not in self._prompt_lengths:
+        return len(self.prompt_ids(prompt))
+
+    def prompt_ids(self, prompt: str) -> tuple[int, ...]:
+        """The prompt's tokens as texts begin with them: without a trailing special token (as
+        sentence-transformers counts them). Measured once per prompt: call it on the thread that
+        tokenizes, before any other thread needs it (a tokenizer must not run in two threads at once)."""
+        if prompt not in self._prompts:
             ids = self._token_ids([prompt], None)[0]
             trailing_special = bool(ids) and ids[-1] in self.tokenizer.all_special_ids
-            self._prompt_lengths[prompt] = len(ids) - trailing_special
-        return self._prompt_lengths[prompt]
+            self._prompts[prompt] = tuple(ids[: len(ids) - trailing_special])
+        return self._prompts[prompt]
 
     def _token_ids(self, texts: list[str], max_length: int | None) -> list[list[int]]:
         extra = int(self.add_bos) + int(self.add_eos)

@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 from st_fastbackend.engine import onednn
 from st_fastbackend.engine.batch import PackedBatch
 from st_fastbackend.engine.layers import Linear
+from st_fastbackend.engine.prefix import LayerKV, Prefix
 from st_fastbackend.engine.registry import build_engine
 from st_fastbackend.engine.runtime import Kernel, Runtime, choose_runtime, resolve_dtype
 from st_fastbackend.engine.spec import UnsupportedModelError
@@ -159,17 +160,38 @@ class PackedTransformer(InputModule):
         check_texts(inputs)
         return self.pack(self.texts.encode(inputs, prompt), prompt)
 
-    def pack(self, sequences: list[list[int]], prompt: str | None = None) -> dict[str, Any]:
-        features: dict[str, Any] = {"packed": PackedBatch.from_sequences(sequences, self.model.position_offset)}
+    def pack(self, sequences: list[list[int]], prompt: str | None = None, prefix: Prefix | None = None) -> dict:
+        """Token-id sequences tokenized with `prompt` -> features; with `prefix`, the sequences are what
+        follows the prompt computed once (their positions start after it)."""
+        offset = self.model.position_offset + (prefix.length if prefix is not None else 0)
+        features: dict[str, Any] = {"packed": PackedBatch.from_sequences(sequences, offset)}
         if prompt:
             features["prompt_length"] = self.texts.prompt_length(prompt)
+        if prefix is not None:
+            features["prefix"] = prefix
         return features
+
+    def prefix_for(self, prompt: str | None) -> Prefix | None:
+        """The prompt's tokens to compute once for every text that begins with them, on a causal decoder;
+        None for no prompt or any other model."""
+        if not prompt or not getattr(self.model, "reuses_prefix", False):
+            return None
+        ids = self.texts.prompt_ids(prompt)
+        return Prefix(ids[:-1], len(ids)) if len(ids) > 1 else None
 
     def forward(self, features: dict[str, Any], **kwargs) -> dict[str, Any]:
         runtime = self.runtime
         if runtime is not self._applied:  # after .to(), or a change of PyTorch's setting for fp32 products
             self._use(runtime)
-        features["token_embeddings"] = self.model(features["packed"], runtime)  # [T, hidden]
+        packed, prefix = features["packed"], features.get("prefix")
+        if prefix is None:
+            features["token_embeddings"] = self.model(packed, runtime)  # [T, hidden]
+            return features
+        if prefix.states is None:  # the prompt's own pass, once: each layer keeps its keys and values
+            prefix.layers = [LayerKV() for _ in self.model.layers]
+            ids = PackedBatch.from_sequences([prefix.ids], self.model.position_offset).to(packed.input_ids.device)
+            prefix.states = self.model(ids, runtime, prefix)  # [P, hidden]
+        features["token_embeddings"] = self.model(packed, runtime, prefix)  # [T, hidden], T without the prompts
         return features
 
     def _use(self, runtime: Runtime) -> None:

@@ -1,0 +1,124 @@
+"""engine/prefix.py: a prompt shared by the texts of a call, computed once on causal decoders, gives the
+embeddings plain sentence-transformers gives with the prompt run for every text."""
+
+import numpy as np
+import pytest
+import torch
+from builders import add_e5_tokenizer_contradiction, build_st_model
+from helpers import DEVICE, TOLERANCE, load_both, max_diff
+
+from st_fastbackend import SentenceTransformer
+from st_fastbackend.embedder import Embedder
+from st_fastbackend.engine import decoder
+from st_fastbackend.serve.batcher import Batcher, Job
+from st_fastbackend.serve.metrics import Metrics
+
+INSTRUCTION = "Instruct: Given a scientific claim, retrieve documents that support or refute the claim\nQuery: "
+MODES = ["lasttoken", "mean", "max", "cls", "weightedmean", "mean_sqrt_len_tokens", ("mean", "lasttoken")]
+
+
+@pytest.fixture
+def reused(monkeypatch):
+    """The number of tokens that attended to a prompt computed once, counted as the engine runs."""
+    counts = {"tokens": 0}
+    attention = decoder.prefixed_attention
+
+    def counting(q, *args, **kwargs):
+        counts["tokens"] += q.shape[0]
+        return attention(q, *args, **kwargs)
+
+    monkeypatch.setattr(decoder, "prefixed_attention", counting)
+    return counts
+
+
+@pytest.mark.parametrize("include_prompt", [True, False], ids=["with prompt tokens", "without"])
+@pytest.mark.parametrize("mode", MODES, ids=str)
+def test_every_pooling_mode_matches_plain(st_model, texts, reused, mode, include_prompt):
+    plain, fast = load_both(st_model("mistral", pooling_mode=mode, include_prompt=include_prompt))
+    expected = plain.encode(texts, prompt=INSTRUCTION, batch_size=8)
+    assert max_diff(fast.encode(texts, prompt=INSTRUCTION, batch_size=8), expected) <= TOLERANCE
+    assert reused["tokens"] > 0  # the texts with tokens of their own; "" runs the ordinary way in the same call
+
+
+VARIANTS = {
+    "mistral window 16": ("mistral", dict(sliding_window=16)),  # shorter than the prompt alone
+    "qwen2 window in layer 1": ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1)),
+    "qwen3 q/k norm": ("qwen3", {}),
+    "llama grouped heads": ("llama", dict(num_key_value_heads=1)),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_windows_and_families_match_plain(st_model, texts, reused, variant):
+    family, overrides = VARIANTS[variant]
+    plain, fast = load_both(st_model(family, pooling_mode="mean", **overrides))
+    expected = plain.encode(texts, prompt=INSTRUCTION, batch_size=8)
+    assert max_diff(fast.encode(texts, prompt=INSTRUCTION, batch_size=8), expected) <= TOLERANCE
+    assert reused["tokens"] > 0
+
+
+def test_a_text_alone_equals_the_same_text_among_others(st_model, texts):
+    _, fast = load_both(st_model("mistral", pooling_mode="weightedmean"))
+    together = fast.encode(texts, prompt=INSTRUCTION, batch_size=7)
+    alone = np.stack([fast.encode([text], prompt=INSTRUCTION)[0] for text in texts[:8]])
+    assert max_diff(together[:8], alone) <= TOLERANCE
+
+
+def test_prompts_that_merge_with_the_text_and_the_off_switch(st_model, texts, reused):
+    """A prompt that ends inside a word: the text's first letters merge with it, deeper than the prompt's
+    last token for some texts (found by trying the builders' tokenizer); those run the ordinary way, in the
+    same call as texts that reuse the prompt. prompt_reuse = False runs every prompt with its text."""
+    prompt = "query: ynbi"
+    plain, fast = load_both(st_model("mistral", pooling_mode="mean"), prompts={"query": prompt})
+    merged = ["qpmz and more words", "qpmz", "q and more"] + texts
+    prefix = fast.prompt_prefix(prompt)
+    follows = [prefix.follows(ids) for ids in fast[0].texts.encode(merged, prompt)]
+    assert not follows[0] and any(follows)  # both kinds in one call
+    expected = plain.encode(merged, prompt_name="query")
+    assert max_diff(fast.encode(merged, prompt_name="query"), expected) <= TOLERANCE
+    fast.prompt_reuse = False
+    before = reused["tokens"]
+    assert max_diff(fast.encode(merged, prompt_name="query"), expected) <= TOLERANCE
+    assert before > 0 and reused["tokens"] == before
+
+
+def test_encoders_and_bidirectional_decoders_never_reuse(st_model):
+    _, bert = load_both(st_model("bert", pooling_mode="mean"))
+    assert bert.prompt_prefix(INSTRUCTION) is None
+    gemma = SentenceTransformer(str(st_model("gemma3_text", pooling_mode="mean")), backend="fast", device=DEVICE)
+    assert gemma[0].model.spec.causal is False and gemma.prompt_prefix(INSTRUCTION) is None
+
+
+def test_e5_eos_appended_after_a_reused_prompt(tmp_path, texts, reused):
+    """e5-mistral: </s> ends each text, not the prompt; the same embeddings with and without reuse."""
+    folder = build_st_model(tmp_path, "mistral", pooling_mode="lasttoken", max_seq_length=64)
+    add_e5_tokenizer_contradiction(folder)
+    fast = SentenceTransformer(str(folder), backend="fast", device=DEVICE)
+    reusing = fast.encode(texts, prompt=INSTRUCTION)
+    assert reused["tokens"] > 0
+    fast.prompt_reuse = False
+    assert max_diff(reusing, fast.encode(texts, prompt=INSTRUCTION)) <= TOLERANCE
+
+
+def test_the_server_worker_computes_a_shared_prompt_once_per_batch(st_model, texts, monkeypatch):
+    """Requests of one batch that share a prompt: one prompt pass for all of them, the embeddings of encode()."""
+    model = SentenceTransformer(str(st_model("mistral", pooling_mode="lasttoken")), backend="fast", device=DEVICE)
+    embedder = Embedder(model)
+    expected = model.encode(texts, prompt=INSTRUCTION, convert_to_tensor=True)
+    prompt_passes = []
+    forward = model[0].model.forward
+    monkeypatch.setattr(
+        model[0].model,
+        "forward",
+        lambda batch, runtime, prefix=None: (
+            (prompt_passes.append(1) if prefix and prefix.states is None else None) or forward(batch, runtime, prefix)
+        ),
+    )
+    batcher = Batcher(embedder, 100_000, 1000, Metrics())
+    jobs = [Job(token_ids=embedder.tokenize([text], INSTRUCTION), prompt=INSTRUCTION) for text in texts]
+    futures = [batcher.submit(job) for job in jobs]
+    batcher.start()  # all requests are queued: the worker takes them as one batch
+    batcher.stop()
+    assert len(prompt_passes) == 1
+    for future, row in zip(futures, expected, strict=True):
+        torch.testing.assert_close(future.result(timeout=0)[0][0], row, atol=TOLERANCE, rtol=0)
