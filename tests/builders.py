@@ -87,19 +87,25 @@ def train_tokenizer(template: str = "<s> $A") -> PreTrainedTokenizerFast:
 
 
 def build_hf_model(
-    folder: Path, family: str, seed: int = 0, causal_lm: bool = False, max_shard_size: str | None = None, **overrides
+    folder: Path,
+    family: str,
+    seed: int = 0,
+    causal_lm: bool = False,
+    masked_lm: bool = False,
+    max_shard_size: str | None = None,
+    **overrides,
 ) -> Path:
     """Save a random-weight Hugging Face checkpoint (config, safetensors, tokenizer) to ``folder``.
 
-    `causal_lm` saves the *ForCausalLM class (tensor names with the `model.` prefix, plus lm_head);
+    `causal_lm` saves the *ForCausalLM class (tensor names with the `model.` prefix, plus lm_head), `masked_lm`
+    the *ForMaskedLM class;
     `max_shard_size` writes a sharded checkpoint with model.safetensors.index.json.
     """
-    spec = {**MODEL_CONFIGS[family], **overrides}
-    config = transformers.AutoConfig.for_model(
-        vocab_size=600, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=3, **spec
-    )
+    spec = {"vocab_size": 600, "max_position_embeddings": 512, **MODEL_CONFIGS[family], **overrides}
+    config = transformers.AutoConfig.for_model(bos_token_id=1, eos_token_id=2, pad_token_id=3, **spec)
     torch.manual_seed(seed)
     auto_class = transformers.AutoModelForCausalLM if causal_lm else transformers.AutoModel
+    auto_class = transformers.AutoModelForMaskedLM if masked_lm else auto_class
     model = auto_class.from_config(config)
     with torch.no_grad():  # default init leaves biases and norms trivial; make every tensor matter
         for param in model.parameters():
