@@ -45,6 +45,17 @@ def test_embedding_gemma_prompts(st_model, texts, include_prompt):
     assert max_diff(fast.encode_query(texts[2:6]), fast.encode(texts[2:6])) > 1e-3  # the prompt reached the model
 
 
+@pytest.mark.parametrize("include_prompt", [True, False])
+def test_causal_gemma3_prompt_computed_once(st_model, texts, include_prompt):
+    """Causal Gemma 3 takes the shared-prompt pass (engine/prefix.py); EmbeddingGemma, bidirectional, cannot."""
+    folder = embedding_gemma(st_model, include_prompt=include_prompt, use_bidirectional_attention=False)
+    plain, fast = load_both(folder)
+    assert fast[0].prefix_for(PROMPTS["query"]) is not None
+    assert max_diff(plain.encode_query(texts), fast.encode_query(texts)) <= TOLERANCE
+    _, bidirectional = load_both(embedding_gemma(st_model))
+    assert bidirectional[0].prefix_for(PROMPTS["query"]) is None
+
+
 def test_a_text_does_not_depend_on_its_batch(st_model, texts):
     _, fast = load_both(embedding_gemma(st_model))
     alone = np.stack([fast.encode(text) for text in texts])
