@@ -75,7 +75,29 @@ def workloads(data_dir: Path) -> dict[str, list[str]]:
     sentences = [r[key] for r in rows for key in ("sentence1", "sentence2")][:1024]
     with open(data_dir / "wikitext2" / "wikitext2_test_articles.jsonl", encoding="utf8") as f:
         articles = [json.loads(line)["text"] for line in f][:32]
-    return {"paragraphs": paragraphs, "sts": sentences, "long": articles}
+    with open(data_dir / "scifact" / "queries.jsonl", encoding="utf8") as f:
+        claims = [json.loads(line)["text"] for line in f][:1000]
+    return {"paragraphs": paragraphs, "sts": sentences, "long": articles, "instructed": claims}
+
+
+# Workloads whose texts all take a prompt: e5-style instructed queries (SciFact claims).
+PROMPTS = {
+    "instructed": "Instruct: Given a scientific claim, retrieve documents that support or refute the claim\nQuery: "
+}
+
+
+class PromptEveryTime:
+    """The fast backend with the prompt run again for every text (prompt_reuse off): what reuse saves."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def encode(self, *args, **kwargs):
+        self.model.prompt_reuse = False
+        try:
+            return self.model.encode(*args, **kwargs)
+        finally:
+            self.model.prompt_reuse = True
 
 
 def build_small_mistral(folder: Path) -> Path:
@@ -201,19 +223,21 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_case(systems: dict, texts: list[str], batch_size: int, rounds: int, device: str) -> dict[str, dict]:
+def run_case(
+    systems: dict, texts: list[str], batch_size: int, rounds: int, device: str, prompt: str | None = None
+) -> dict[str, dict]:
     """Alternating timed rounds; the first (untimed) call warms each system up and measures memory."""
     results: dict[str, dict] = {}
     for name, model in systems.items():
-        model.encode(texts[:batch_size], batch_size=batch_size)
+        model.encode(texts[:batch_size], batch_size=batch_size, prompt=prompt)
         with PeakMemory(device) as memory:
-            embeddings = model.encode(texts, batch_size=batch_size, convert_to_numpy=True)
+            embeddings = model.encode(texts, batch_size=batch_size, convert_to_numpy=True, prompt=prompt)
         results[name] = {"embeddings": embeddings.astype(np.float32), "peak_extra_bytes": memory.extra, "times": []}
     for _ in range(rounds):
         for name, model in systems.items():
             sync(device)
             start = time.perf_counter()
-            model.encode(texts, batch_size=batch_size)
+            model.encode(texts, batch_size=batch_size, prompt=prompt)
             sync(device)
             results[name]["times"].append(time.perf_counter() - start)
     return results
@@ -229,7 +253,7 @@ def main() -> None:
     parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR)
     parser.add_argument("--models", nargs="+", default=["mistral", "minilm"],
                         choices=["mistral", "minilm", "embeddinggemma", "modernbert"])  # fmt: skip
-    parser.add_argument("--workloads", nargs="+", default=["paragraphs", "sts", "long"])
+    parser.add_argument("--workloads", nargs="+", default=["paragraphs", "sts", "long", "instructed"])
     parser.add_argument("--dtypes", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS))
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
@@ -269,12 +293,15 @@ def main() -> None:
             systems = {"plain": PlainSentenceTransformer(path, **kwargs),
                        "fast": SentenceTransformer(path, backend="fast", **kwargs)}  # fmt: skip
             for workload in args.workloads:
-                if workload == "long" and model_name == "minilm":
-                    continue  # MiniLM truncates at 256 tokens: "long" is the small Mistral's workload
-                texts = texts_by_workload[workload][: args.max_texts]
-                token_ids = systems["fast"][0].texts.encode(texts)
+                if workload in ("long", "instructed") and model_name == "minilm":
+                    continue  # "long" (past MiniLM's 256 tokens) and "instructed" (a decoder's) are the Mistral's
+                texts, prompt = texts_by_workload[workload][: args.max_texts], PROMPTS.get(workload)
+                token_ids = systems["fast"][0].texts.encode(texts, prompt)
                 tokens = sum(len(ids) for ids in token_ids)
-                results = run_case(systems, texts, args.batch_size, args.rounds, args.device)
+                compared = (
+                    {**systems, "fast_prompt_every_time": PromptEveryTime(systems["fast"])} if prompt else systems
+                )
+                results = run_case(compared, texts, args.batch_size, args.rounds, args.device, prompt)
                 for peer, python in peers.items():
                     peer_dtype = "fp32" if dtype == torch.float32 else "bf16"  # peers pick their own products
                     results[peer] = run_peer(peer, python, path, peer_dtype, texts, args.batch_size, args.rounds)
@@ -301,10 +328,10 @@ def main() -> None:
                 row["memory_ratio"] = row["fast"]["peak_extra_mib"] / max(row["plain"]["peak_extra_mib"], 1e-9)
                 rows.append(row)
                 print(_format(row), flush=True)
-                for peer in peers:
-                    fidelity = row[peer].get("max_1_minus_cos_vs_fp32_plain", float("nan"))
-                    speed = f"{row[peer]['tokens_per_s']:>7.0f} tok/s  {row[peer]['ratio_vs_plain']:.2f}x plain"
-                    print(f"    peer {peer:<9} {speed}  max 1-cos vs fp32 plain {fidelity:.1e}")
+                for other in [name for name in results if name not in ("plain", "fast")]:
+                    fidelity = row[other].get("max_1_minus_cos_vs_fp32_plain", float("nan"))
+                    speed = f"{row[other]['tokens_per_s']:>7.0f} tok/s  {row[other]['ratio_vs_plain']:.2f}x plain"
+                    print(f"    {other:<22} {speed}  max 1-cos vs fp32 plain {fidelity:.1e}")
             del systems
             gc.collect()
 
