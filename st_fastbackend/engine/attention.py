@@ -33,13 +33,7 @@ def varlen_attention(
 ) -> Tensor:
     cuts = window is not None and batch.max_seqlen > window  # the window changes some sequence's result
     if runtime.kernel == "sdpa_loop" or (cuts and not runtime.window):
-        products = runtime.product_dtype or q.dtype
-        if products != q.dtype:
-            # An fp32 model whose products run in bf16 (engine/onednn.py): attention's two products too,
-            # through the bf16 kernel (PyTorch's fp32 one slows down 4x under that setting here).
-            q, k, v, dtype = q.to(products), k.to(products), v.to(products), q.dtype
-            return _sdpa_loop(q, k, v, batch, causal, window, runtime.grouped_heads, scale).to(dtype)
-        return _sdpa_loop(q, k, v, batch, causal, window, runtime.grouped_heads, scale)
+        return sdpa_attention(q, k, v, batch, causal=causal, window=window, runtime=runtime, scale=scale)
     if not runtime.grouped_heads:
         k, v = _repeat_kv(k, v, q.shape[1])
     side = window - 1 if window is not None and cuts else -1  # both kernels count the window without the query
@@ -66,21 +60,29 @@ def varlen_attention(
     return varlen_attn(q, k, v, cu, cu, n, n, **options)
 
 
-def _sdpa_loop(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    batch: PackedBatch,
-    causal: bool,
-    window: int | None,
-    grouped_heads: bool,
-    scale: float | None,
-) -> Tensor:
-    """One SDPA call per run of adjacent equal-length sequences (packs are sorted by length, so runs are
-    long): [n*L, H, D] is viewed as [n, H, L, D] without a copy. 4-D inputs reach PyTorch's flash kernel
-    for the CPU; 3-D inputs would fall back to the slower math kernel."""
-    if not grouped_heads:
+def sdpa_attention(
+    q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch, *, causal: bool, window: int | None, runtime: Runtime,
+    scale: float | None = None, prefix: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:  # fmt: skip
+    """Attention through SDPA, one call per run of adjacent equal-length sequences (packs are sorted by
+    length, so runs are long): [n*L, H, D] is viewed as [n, H, L, D] without a copy; 4-D inputs reach
+    PyTorch's flash kernel for the CPU, 3-D inputs would fall back to the slower math kernel.
+
+    `prefix`: keys and values [P, Hkv, D] that every sequence follows (engine/prefix.py); each run's
+    keys are [prefix ; its own] and its queries sit at positions P to P + L - 1.
+
+    An fp32 model whose products run in bf16 (engine/onednn.py) runs attention's two products in bf16
+    too (PyTorch's fp32 kernel slows down 4x under that setting here)."""
+    dtype, products = q.dtype, runtime.product_dtype or q.dtype
+    q, k, v = q.to(products), k.to(products), v.to(products)
+    if not runtime.grouped_heads:
         k, v = _repeat_kv(k, v, q.shape[1])
+    before, prefix_k, prefix_v = 0, None, None
+    if prefix is not None:
+        prefix_k, prefix_v = (t.to(products) for t in prefix)
+        if not runtime.grouped_heads:
+            prefix_k, prefix_v = _repeat_kv(prefix_k, prefix_v, q.shape[1])
+        before, prefix_k, prefix_v = prefix_k.shape[0], prefix_k.transpose(0, 1), prefix_v.transpose(0, 1)
     out = torch.empty_like(q)
     grouped = q.shape[1] != k.shape[1]
     start = 0
@@ -88,15 +90,16 @@ def _sdpa_loop(
         end = start + length * count
         # [n*L, H, D] -> [n, L, H, D] -> [n, H, L, D]
         qi, ki, vi = (t[start:end].view(count, length, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
-        mask = None
-        if window is not None and length > window:
-            mask = _sliding_window_mask(length, window, causal, q.device)
+        if prefix is not None:  # [H, P, D] before each sequence's own: [n, H, P + L, D]
+            ki = torch.cat((prefix_k.expand(count, -1, -1, -1), ki), dim=2)
+            vi = torch.cat((prefix_v.expand(count, -1, -1, -1), vi), dim=2)
+        mask = _mask(length, before, window, causal, q.device)
         oi = F.scaled_dot_product_attention(
             qi, ki, vi, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=grouped, scale=scale
         )
         out[start:end].view(count, length, q.shape[1], q.shape[2]).copy_(oi.transpose(1, 2))  # -> [n, L, H, D]
         start = end
-    return out
+    return out.to(dtype)
 
 
 def _repeat_kv(k: Tensor, v: Tensor, num_heads: int) -> tuple[Tensor, Tensor]:
@@ -117,10 +120,15 @@ def _equal_length_runs(lengths: tuple[int, ...]) -> list[tuple[int, int]]:
     return runs
 
 
-def _sliding_window_mask(length: int, window: int, causal: bool, device: torch.device) -> Tensor:
-    """[L, L] bool, True where a query may attend: within the window, and causal if asked (one sequence,
-    never T x T)."""
-    q_idx = torch.arange(length, device=device)[:, None]
-    kv_idx = torch.arange(length, device=device)[None, :]
-    near = (q_idx - kv_idx).abs() < window
-    return near & (kv_idx <= q_idx) if causal else near
+def _mask(length: int, before: int, window: int | None, causal: bool, device: torch.device) -> Tensor | None:
+    """[L, before + L] bool, True where a query (at positions before to before + L - 1) may attend: within
+    the window, and causal if asked (one sequence, never T x T); None where SDPA's own causal or full
+    attention is the same."""
+    if before == 0 and (window is None or length <= window):
+        return None
+    q_idx = torch.arange(before, before + length, device=device)[:, None]
+    kv_idx = torch.arange(before + length, device=device)[None, :]
+    allowed = (
+        (q_idx - kv_idx).abs() < window if window is not None else torch.ones_like(q_idx - kv_idx, dtype=torch.bool)
+    )
+    return allowed & (kv_idx <= q_idx) if causal else allowed
