@@ -11,7 +11,8 @@ from torch import Tensor, nn
 
 from st_fastbackend.engine.attention import varlen_attention
 from st_fastbackend.engine.batch import PackedBatch
-from st_fastbackend.engine.layers import Linear, RMSNorm, Rotary, apply_rotary
+from st_fastbackend.engine.fused import seams
+from st_fastbackend.engine.layers import Linear, RMSNorm, Rotary
 from st_fastbackend.engine.prefix import LayerKV, Prefix, prefixed_attention
 from st_fastbackend.engine.runtime import Runtime
 from st_fastbackend.engine.spec import DecoderSpec
@@ -51,14 +52,10 @@ class Attention(nn.Module):
     ) -> Tensor:
         """`kv`: this layer's part of a prompt computed once (engine/prefix.py): kept by the prefix pass,
         attended to by the texts after it."""
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq*D] -> [T, Hq, D]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv*D] -> [T, Hkv, D]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # Qwen3, Gemma 3: RMSNorm over each head before the rotation
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        heads = (self.num_heads, self.num_kv_heads, self.head_dim)
+        qk_norm = None if self.q_norm is None else (self.q_norm.weight, *self.k_norm.parts)  # Qwen3, Gemma 3
+        # [T, (Hq + 2 Hkv) D] -> q [T, Hq, D], k and v [T, Hkv, D], q and k normed per head and rotated
+        q, k, v = seams(runtime.fused).split_rotate(self.qkv_proj(x), cos, sin, heads, qk_norm)
         if kv is not None and kv.keys is not None:  # texts after a prompt computed once
             out = prefixed_attention(q, k, v, batch, kv, window=self.window, runtime=runtime, scale=self.scale)
         else:
@@ -77,8 +74,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
         self.hidden_act = spec.hidden_act
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(self.gate_up_proj.gated(x, self.hidden_act))
+    def forward(self, x: Tensor, runtime: Runtime) -> Tensor:
+        return self.down_proj(self.gate_up_proj.gated(x, self.hidden_act, runtime.fused))
 
 
 class DecoderLayer(nn.Module):
@@ -90,16 +87,22 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(spec, window)
         self.mlp = MLP(spec)
 
+    @property
+    def input_norm(self) -> RMSNorm:
+        return getattr(self, self.norm_names[0])
+
     def forward(
-        self, h: Tensor, cos: Tensor, sin: Tensor, batch: PackedBatch, runtime: Runtime, kv: LayerKV | None
-    ) -> Tensor:
-        attn_in, attn_out, mlp_in, mlp_out = (getattr(self, name) if name else _same for name in self.norm_names)
-        h = h + attn_out(self.self_attn(attn_in(h), cos, sin, batch, runtime, kv))
-        return h + mlp_out(self.mlp(mlp_in(h)))
-
-
-def _same(x: Tensor) -> Tensor:
-    return x
+        self, h: Tensor, x: Tensor, next_norm: RMSNorm, cos: Tensor, sin: Tensor, batch: PackedBatch,
+        runtime: Runtime, kv: LayerKV | None,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        """(residual stream h, its input norm x) -> (h after this layer, `next_norm` of it): each residual
+        add is one seam with the norms around it (engine/fused.py)."""
+        _, attn_out, mlp_in, mlp_out = self.norm_names
+        out_weights = [getattr(self, name).weight if name else None for name in (attn_out, mlp_out)]  # Gemma's
+        seam = seams(runtime.fused).residual_rms
+        a = self.self_attn(x, cos, sin, batch, runtime, kv)
+        h, x = seam(h, a, out_weights[0], *getattr(self, mlp_in).parts)
+        return seam(h, self.mlp(x, runtime), out_weights[1], *next_norm.parts)
 
 
 class Decoder(nn.Module):
@@ -136,6 +139,8 @@ class Decoder(nn.Module):
             h = h * torch.tensor(self.spec.embed_scale, dtype=h.dtype)
         tables = {key: rotary(batch.position_ids, h.dtype) for key, rotary in self.rotary.items()}  # [T, D] pairs
         kvs = prefix.layers if prefix is not None else [None] * len(self.layers)
-        for layer, key, kv in zip(self.layers, self.spec.layer_rotaries, kvs, strict=True):
-            h = layer(h, *tables[key], batch, runtime, kv)
-        return self.norm(h)
+        next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
+        x = seams(runtime.fused).rms_norm(h, *self.layers[0].input_norm.parts)
+        for layer, key, kv, next_norm in zip(self.layers, self.spec.layer_rotaries, kvs, next_norms, strict=True):
+            h, x = layer(h, x, next_norm, *tables[key], batch, runtime, kv)
+        return x  # the final norm of h

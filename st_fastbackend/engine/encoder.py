@@ -11,7 +11,8 @@ from torch import Tensor, nn
 
 from st_fastbackend.engine.attention import varlen_attention
 from st_fastbackend.engine.batch import PackedBatch
-from st_fastbackend.engine.layers import Linear, Rotary, apply_rotary
+from st_fastbackend.engine.fused import seams
+from st_fastbackend.engine.layers import Linear, Rotary
 from st_fastbackend.engine.runtime import Runtime
 from st_fastbackend.engine.spec import EncoderSpec, ModernBertSpec
 
@@ -54,8 +55,9 @@ class DenseResidualNorm(nn.Module):
         self.dense = Linear(d_in, d_out)
         self.LayerNorm = nn.LayerNorm(d_out, eps=eps)
 
-    def forward(self, x: Tensor, residual: Tensor) -> Tensor:
-        return self.LayerNorm(self.dense(x) + residual)
+    def forward(self, x: Tensor, residual: Tensor, runtime: Runtime) -> Tensor:
+        norm = self.LayerNorm
+        return seams(runtime.fused).add_layer_norm(self.dense(x), residual, norm.weight, norm.bias, norm.eps)
 
 
 class AttentionBlock(nn.Module):
@@ -83,8 +85,8 @@ class EncoderLayer(nn.Module):
         self.output = DenseResidualNorm(spec.intermediate_size, spec.hidden_size, spec.norm_eps)
 
     def forward(self, h: Tensor, batch: PackedBatch, runtime: Runtime) -> Tensor:
-        h = self.attention.output(self.attention.self(h, batch, runtime), h)
-        return self.output(self.intermediate(h), h)
+        h = self.attention.output(self.attention.self(h, batch, runtime), h, runtime)
+        return self.output(self.intermediate(h), h, runtime)
 
 
 class LayerStack(nn.Module):
@@ -141,8 +143,9 @@ class ModernBertAttention(nn.Module):
         self.Wo = Linear(spec.hidden_size, spec.hidden_size, bias=spec.attention_bias)
 
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor, batch: PackedBatch, runtime: Runtime) -> Tensor:
-        q, k, v = self.Wqkv(h).view(-1, 3, self.num_heads, self.head_dim).unbind(1)  # [T, 3H] -> 3 x [T, heads, D]
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        heads = (self.num_heads, self.num_heads, self.head_dim)
+        # [T, 3H] -> 3 x [T, heads, D], q and k rotated
+        q, k, v = seams(runtime.fused).split_rotate(self.Wqkv(h), cos, sin, heads, None)
         out = varlen_attention(q, k, v, batch, causal=False, window=self.window, runtime=runtime)
         return self.Wo(out.flatten(1))  # [T, heads, D] -> [T, hidden]
 
@@ -154,8 +157,8 @@ class ModernBertMLP(nn.Module):
         self.Wo = Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
         self.hidden_act = spec.hidden_act
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.Wo(self.Wi.gated(x, self.hidden_act))  # act(input) * gate, the halves of Wi
+    def forward(self, x: Tensor, runtime: Runtime) -> Tensor:
+        return self.Wo(self.Wi.gated(x, self.hidden_act, runtime.fused))  # act(input) * gate, the halves of Wi
 
 
 class ModernBertLayer(nn.Module):
@@ -168,9 +171,16 @@ class ModernBertLayer(nn.Module):
         self.mlp_norm = nn.LayerNorm(spec.hidden_size, eps=spec.norm_eps, bias=spec.norm_bias)
         self.mlp = ModernBertMLP(spec)
 
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, batch: PackedBatch, runtime: Runtime) -> Tensor:
-        h = h + self.attn(self.attn_norm(h), cos, sin, batch, runtime)
-        return h + self.mlp(self.mlp_norm(h))
+    def forward(
+        self, h: Tensor, x: Tensor, next_norm: nn.LayerNorm, cos: Tensor, sin: Tensor, batch: PackedBatch,
+        runtime: Runtime,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        """(residual stream h, its input norm x) -> (h after this layer, `next_norm` of it), each residual add
+        one seam with the norm after it (engine/fused.py)."""
+        seam = seams(runtime.fused).residual_layer_norm
+        a = self.attn(x, cos, sin, batch, runtime)
+        h, x = seam(h, a, self.mlp_norm.weight, self.mlp_norm.bias, self.mlp_norm.eps)
+        return seam(h, self.mlp(x, runtime), next_norm.weight, next_norm.bias, next_norm.eps)
 
 
 class ModernBert(nn.Module):
@@ -189,8 +199,10 @@ class ModernBert(nn.Module):
 
     def forward(self, batch: PackedBatch, runtime: Runtime) -> Tensor:
         """Token ids [T] -> last hidden states [T, hidden]."""
-        h = self.embeddings(batch)
+        h = self.embeddings(batch)  # the first layer's input, normed: it has no norm of its own
         tables = {key: rotary(batch.position_ids, h.dtype) for key, rotary in self.rotary.items()}  # [T, D] pairs
-        for layer, key in zip(self.layers, self.spec.layer_rotaries, strict=True):
-            h = layer(h, *tables[key], batch, runtime)
-        return self.final_norm(h)
+        next_norms = [layer.attn_norm for layer in self.layers[1:]] + [self.final_norm]
+        x = h
+        for layer, key, next_norm in zip(self.layers, self.spec.layer_rotaries, next_norms, strict=True):
+            h, x = layer(h, x, next_norm, *tables[key], batch, runtime)
+        return x  # the final norm of h

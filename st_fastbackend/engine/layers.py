@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.activations import ACT2FN
 
-from st_fastbackend.engine import onednn
+from st_fastbackend.engine import fused, onednn
 
 
 class Linear(nn.Linear):
@@ -34,13 +34,12 @@ class Linear(nn.Linear):
             return onednn.product(x, self._part(0, 1), activation=name)
         return _activation(name)(self(x))
 
-    def gated(self, x: Tensor, name: str) -> Tensor:
+    def gated(self, x: Tensor, name: str, compiled: bool = False) -> Tensor:
         """ACT2FN[name](gate) * up, where gate and up are the two halves of this layer's outputs (Llama's
         SiLU MLP, Gemma's GELU-tanh MLP, ModernBERT's GeGLU). Through oneDNN both run inside the halves'
-        products, the result in the product dtype."""
+        products, the result in the product dtype; else after the product, compiled where asked."""
         if name not in onednn.ACTIVATIONS or not self._onednn():
-            gate, up = self(x).chunk(2, dim=-1)
-            return _activation(name)(gate) * up
+            return fused.seams(compiled).gated(self(x), _activation(name))
         x = x.to(self.product_dtype)  # once, for both halves
         gate = onednn.product(x, self._part(0, 2), activation=name)
         return onednn.product(x, self._part(1, 2), multiply=gate)
@@ -86,11 +85,12 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.unit_offset:  # As Gemma3RMSNorm: times (1 + weight) in fp32, cast back after.
-            return (x32 * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * x32.to(x.dtype)  # As LlamaRMSNorm: cast back before the weight multiply.
+        return fused.rms_norm(x, self.weight, self.eps, self.unit_offset)
+
+    @property
+    def parts(self) -> tuple[Tensor, float, bool]:
+        """What engine/fused.py's functions take of this norm."""
+        return self.weight, self.eps, self.unit_offset
 
 
 class Rotary(nn.Module):
@@ -108,10 +108,3 @@ class Rotary(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, D], the rotate_half layout
         cos, sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
         return cos.to(dtype), sin.to(dtype)
-
-
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: [T, H, D]; cos, sin: [T, D]. Hugging Face's rotate_half convention."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]

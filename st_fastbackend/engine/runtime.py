@@ -37,25 +37,32 @@ class Runtime:
     dtype: torch.dtype  # the model's
     product_dtype: torch.dtype | None = None  # oneDNN's products on a CPU (engine/onednn.py); None: PyTorch's
     scale: bool = True  # takes a softmax scale; else q is multiplied by it first (Gemma's query_pre_attn_scalar)
+    fused: bool = False  # the elementwise seams between products run compiled (engine/fused.py)
 
     def __str__(self) -> str:
         missing = [name for name in ("grouped_heads", "window", "is_causal", "scale") if not getattr(self, name)]
         kernel = self.kernel + (f" (without {', '.join(missing)})" if missing and self.kernel != "sdpa_loop" else "")
         products = f"oneDNN in {self.product_dtype}" if self.product_dtype else f"PyTorch's in {self.dtype}"
-        return f"attention {kernel}; model in {self.dtype}; matrix products {products}"
+        seams = "compiled" if self.fused else "eager"
+        return f"attention {kernel}; model in {self.dtype}; matrix products {products}; layer seams {seams}"
 
 
 @functools.cache
 def choose_runtime(
-    device_type: str, dtype: torch.dtype, device_index: int | None = None, product_dtype: torch.dtype | None = None
+    device_type: str,
+    dtype: torch.dtype,
+    device_index: int | None = None,
+    product_dtype: torch.dtype | None = None,
+    fused: bool = False,
 ) -> Runtime:
     """flash-attn's varlen kernel where installed, else PyTorch's own, for fp16/bf16 on an Ampere or newer
     GPU; SDPA per run of equal-length sequences everywhere else (CPU, fp32, older GPUs, no varlen).
-    `product_dtype`: the caller's choice for oneDNN's products (engine/onednn.product_dtype), CPU only."""
+    `product_dtype`: the caller's choice for oneDNN's products (engine/onednn.product_dtype), CPU only;
+    `fused`: whether the layer seams run compiled (engine/fused.py), the caller's choice too."""
     assert product_dtype is None or device_type == "cpu"
     if device_type in VARLEN_DEVICES and dtype in HALF_DTYPES and _flash_capable(device_type, device_index):
         if _has_flash_attn():
-            return Runtime("flash_attn", grouped_heads=True, window=True, is_causal=True, dtype=dtype)
+            return Runtime("flash_attn", grouped_heads=True, window=True, is_causal=True, dtype=dtype, fused=fused)
         keywords = torch_varlen_keywords()
         if keywords is not None:
             return Runtime(
@@ -65,6 +72,7 @@ def choose_runtime(
                 is_causal="is_causal" in keywords,
                 dtype=dtype,
                 scale="scale" in keywords,
+                fused=fused,
             )
     # PyTorch's CPU flash kernel takes grouped heads; on CUDA the memory-efficient SDPA kernel (fp32,
     # masks) does not, and grouped heads would send it to the math kernel: repeat k/v there.
@@ -75,6 +83,7 @@ def choose_runtime(
         is_causal=True,
         dtype=dtype,
         product_dtype=product_dtype,
+        fused=fused,
     )
 
 

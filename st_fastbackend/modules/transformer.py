@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 from sentence_transformers.base.modules import InputModule, Transformer
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
-from st_fastbackend.engine import onednn
+from st_fastbackend.engine import fused, onednn
 from st_fastbackend.engine.batch import PackedBatch
 from st_fastbackend.engine.layers import Linear
 from st_fastbackend.engine.prefix import LayerKV, Prefix
@@ -64,6 +65,7 @@ class PackedTransformer(InputModule):
         load_weights(self.model, self.folder, device, resolve_dtype(model_kwargs, config))
         self.config = config
         self.onednn_copies = device.type == "cpu" and onednn.copies_fit(self.model)  # else PyTorch's products
+        self.compiled_seams = fused.on_by_default()  # the off switch: model[0].compiled_seams = False
         self._use(self.runtime)
 
         # As sentence-transformers' Transformer: max_seq_length becomes the tokenizer's model_max_length,
@@ -128,7 +130,7 @@ class PackedTransformer(InputModule):
         device and dtype (decided once for each, and for PyTorch's setting of fp32 products on a CPU)."""
         weight = next(self.model.parameters())
         products = onednn.product_dtype(weight.dtype) if self.onednn_copies and weight.device.type == "cpu" else None
-        return choose_runtime(weight.device.type, weight.dtype, weight.device.index, products)
+        return choose_runtime(weight.device.type, weight.dtype, weight.device.index, products, self.compiled_seams)
 
     @property
     def attention_kernel(self) -> Kernel:
@@ -185,13 +187,14 @@ class PackedTransformer(InputModule):
             self._use(runtime)
         packed, prefix = features["packed"], features.get("prefix")
         if prefix is None:
-            features["token_embeddings"] = self.model(packed, runtime)  # [T, hidden]
+            features["token_embeddings"] = self.model(packed, _sized(runtime, packed))  # [T, hidden]
             return features
         if prefix.states is None:  # the prompt's own pass, once: each layer keeps its keys and values
             prefix.layers = [LayerKV() for _ in self.model.layers]
             ids = PackedBatch.from_sequences([prefix.ids], self.model.position_offset).to(packed.input_ids.device)
-            prefix.states = self.model(ids, runtime, prefix)  # [P, hidden]
-        features["token_embeddings"] = self.model(packed, runtime, prefix)  # [T, hidden], T without the prompts
+            prefix.states = self.model(ids, _sized(runtime, ids), prefix)  # [P, hidden]
+        # [T, hidden], T without the prompts
+        features["token_embeddings"] = self.model(packed, _sized(runtime, packed), prefix)
         return features
 
     def _use(self, runtime: Runtime) -> None:
@@ -227,3 +230,8 @@ class PackedTransformer(InputModule):
             f"PackedTransformer({self.get_config_dict()}, model_type={self.config.model_type!r}, "
             f"attention_kernel={self.attention_kernel!r}, product_dtype={self.product_dtype})"
         )
+
+
+def _sized(runtime: Runtime, batch: PackedBatch) -> Runtime:
+    """The runtime for one pack: the layer seams run eagerly in a pack too small for a compiled call to pay."""
+    return replace(runtime, fused=False) if runtime.fused and batch.num_tokens < fused.MIN_TOKENS else runtime

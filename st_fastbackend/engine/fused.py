@@ -1,0 +1,134 @@
+"""The elementwise work between two matrix products, one function per seam: the residual add with the
+norms around it (fp32 statistics), q/k norm with the rotation, a gated activation. Each runs eagerly, or
+compiled by torch.compile into one kernel where the engine's Runtime says `fused`; the same code either
+way, so the eager functions are also the reference for the compiled ones (tests/test_fused.py).
+
+Compiled once per process for every model of a dtype and device (dynamic shapes; hidden sizes and head
+counts are not baked in), and kept in PyTorch's compile cache on disk, so a second process starts faster.
+A compiled call costs ~0.1 ms more than the eager ops on a CPU, which only pays above a few hundred
+tokens: packs smaller than MIN_TOKENS run eagerly (eval/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+logger = logging.getLogger(__name__)
+MIN_TOKENS = 512  # the smallest pack the compiled seams run for
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, unit_offset: bool) -> Tensor:
+    """As Hugging Face computes it: statistics in fp32; Llama casts back before the weight multiply,
+    Gemma multiplies by (1 + weight) in fp32 and casts after."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        return (x32 * (1.0 + weight.float())).to(x.dtype)
+    return weight * x32.to(x.dtype)
+
+
+def residual_rms(
+    h: Tensor, delta: Tensor, out_weight: Tensor | None, weight: Tensor, eps: float, unit_offset: bool
+) -> tuple[Tensor, Tensor]:
+    """A decoder's seam after attention or the MLP: h + out_norm(delta) (Gemma's norm on the sublayer's
+    output; none for Llama), and the next norm of that sum (the next sublayer's input, or the final norm)."""
+    if out_weight is not None:
+        delta = rms_norm(delta, out_weight, eps, unit_offset)
+    h = h + delta
+    return h, rms_norm(h, weight, eps, unit_offset)
+
+
+def residual_layer_norm(
+    h: Tensor, delta: Tensor, weight: Tensor, bias: Tensor | None, eps: float
+) -> tuple[Tensor, Tensor]:
+    """A pre-LayerNorm encoder's seam (ModernBERT): h + delta, and the next LayerNorm of it."""
+    h = h + delta
+    return h, F.layer_norm(h, h.shape[-1:], weight, bias, eps)
+
+
+def add_layer_norm(x: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
+    """A post-LayerNorm encoder's seam (BERT): LayerNorm(x + residual)."""
+    return F.layer_norm(x + residual, x.shape[-1:], weight, bias, eps)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: [T, H, D]; cos, sin: [T, D]. Hugging Face's rotate_half convention."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def split_rotate(
+    qkv: Tensor, cos: Tensor, sin: Tensor, heads: tuple[int, int, int], qk_norm: tuple | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The fused q/k/v product's output [T, (Hq + 2 Hkv) D] -> q [T, Hq, D], k and v [T, Hkv, D]: q and k
+    normed per head where `qk_norm` = (q weight, k weight, eps, unit_offset) (Qwen3, Gemma 3), then rotated."""
+    num_heads, num_kv_heads, head_dim = heads
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q, k = q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim)
+    if qk_norm is not None:
+        q_weight, k_weight, eps, unit_offset = qk_norm
+        q, k = rms_norm(q, q_weight, eps, unit_offset), rms_norm(k, k_weight, eps, unit_offset)
+    return rotate(q, cos, sin), rotate(k, cos, sin), v.view(-1, num_kv_heads, head_dim)
+
+
+def gated(gate_up: Tensor, activation: nn.Module) -> Tensor:
+    """activation(gate) * up, the two halves of one product's output (SiLU, GELU-tanh, GeGLU MLPs)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return activation(gate) * up
+
+
+SEAMS = (rms_norm, residual_rms, residual_layer_norm, add_layer_norm, split_rotate, gated)
+EAGER = SimpleNamespace(**{f.__name__: f for f in SEAMS})
+
+
+def on_by_default() -> bool:
+    """On unless the environment says ST_FASTBACKEND_COMPILE=0 (for code that cannot set model[0].compiled_seams)."""
+    return os.environ.get("ST_FASTBACKEND_COMPILE", "1") != "0"
+
+
+def seams(fused: bool) -> SimpleNamespace:
+    """The seam functions, compiled or eager."""
+    return _compiled() if fused else EAGER
+
+
+@functools.cache
+def _compiled() -> SimpleNamespace:
+    return SimpleNamespace(**{f.__name__: _Timed(f) for f in SEAMS})
+
+
+class _Timed:
+    """torch.compile(f) whose calls that compile (the first for each dtype and device, and any recompile)
+    are logged with their time."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+        self.seen: set[tuple] = set()
+        self.failed = False
+
+    def __call__(self, *args):
+        key = tuple((a.dtype, a.device.type) for a in args if isinstance(a, Tensor))
+        if key in self.seen:
+            return self.compiled(*args)
+        if self.failed:  # the eager function computes the same numbers
+            return self.fn(*args)
+        start = time.perf_counter()
+        try:
+            out = self.compiled(*args)
+        except Exception as error:  # no C++ compiler, an unsupported platform: the eager seams from now on
+            logger.warning(f"torch.compile failed ({type(error).__name__}: {error}); the layer seams run eagerly.")
+            self.failed = True
+            return self.fn(*args)
+        self.seen.add(key)
+        seconds = time.perf_counter() - start
+        logger.info(f"Compiled {self.fn.__name__} for {key[0][0]} on {key[0][1]} in {seconds:.1f} s")
+        return out

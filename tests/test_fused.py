@@ -1,0 +1,125 @@
+"""The layer seams compiled by torch.compile (engine/fused.py): the eager seams' numbers, plain
+sentence-transformers' numbers through whole models, used only for packs large enough, and switched off
+by model[0].compiled_seams or ST_FASTBACKEND_COMPILE=0."""
+
+import collections
+import logging
+
+import pytest
+import torch
+from helpers import DEVICE, TOLERANCE, load_both, max_diff
+from test_bf16 import assert_bf16_error_within_twice_plain
+from transformers.activations import ACT2FN
+
+from st_fastbackend import SentenceTransformer
+from st_fastbackend.engine import fused
+
+T = fused.MIN_TOKENS + 37  # a pack size the compiled seams run for, not a round number
+
+
+def seam_inputs(dtype):
+    """Inputs for each seam at Mistral-like (and Qwen3/Gemma-like) shapes, on the suite's device."""
+    torch.manual_seed(0)
+
+    def r(*shape):
+        return torch.randn(*shape, device=DEVICE).to(dtype)
+
+    heads = (4, 2, 32)
+    cos, sin = r(T, 32), r(T, 32)
+    qk_norm = (r(32), r(32), 1e-6, True)
+    return {
+        "rms_norm": [(r(T, 128), r(128), 1e-6, False), (r(T, 128), r(128), 1e-6, True)],
+        "residual_rms": [
+            (r(T, 128), r(T, 128), None, r(128), 1e-5, False),  # Llama
+            (r(T, 128), r(T, 128), r(128), r(128), 1e-6, True),  # Gemma
+        ],
+        "residual_layer_norm": [(r(T, 96), r(T, 96), r(96), None, 1e-5), (r(T, 96), r(T, 96), r(96), r(96), 1e-12)],
+        "add_layer_norm": [(r(T, 96), r(T, 96), r(96), r(96), 1e-12)],
+        "split_rotate": [(r(T, 8 * 32), cos, sin, heads, None), (r(T, 8 * 32), cos, sin, heads, qk_norm)],
+        "gated": [(r(T, 2 * 48), ACT2FN["silu"]), (r(T, 2 * 48), ACT2FN["gelu_pytorch_tanh"])],
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_each_compiled_seam_matches_the_eager_one(dtype):
+    compiled = fused.seams(True)
+    for name, cases in seam_inputs(dtype).items():
+        for args in cases:
+            expected, got = (_tuple(getattr(seams, name)(*args)) for seams in (fused.EAGER, compiled))
+            for e, g in zip(expected, got, strict=True):
+                assert g.shape == e.shape and g.dtype == e.dtype, name
+                # fp32: reduction order only; bf16: the compiled seam rounds once where eager rounds per op
+                tolerance = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=0.05, rtol=0.02)
+                torch.testing.assert_close(g, e, **tolerance, msg=name)
+
+
+def _tuple(out) -> tuple:
+    return (out,) if torch.is_tensor(out) else out
+
+
+@pytest.fixture
+def compiled_calls(monkeypatch):
+    """Counts the calls of each compiled seam."""
+    counts: collections.Counter = collections.Counter()
+    call = fused._Timed.__call__
+
+    def counting(self, *args):
+        counts[self.fn.__name__] += 1
+        return call(self, *args)
+
+    monkeypatch.setattr(fused._Timed, "__call__", counting)
+    return counts
+
+
+FAMILIES = {  # family -> the seams its layers go through
+    "mistral": {"rms_norm", "residual_rms", "split_rotate"},
+    "qwen3": {"rms_norm", "residual_rms", "split_rotate"},
+    "gemma3_text": {"rms_norm", "residual_rms", "split_rotate"},
+    "modernbert": {"residual_layer_norm", "split_rotate"},
+    "bert": {"add_layer_norm"},
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_whole_models_with_compiled_seams_match_plain(st_model, texts, family, compiled_calls):
+    plain, fast = load_both(st_model(family, pooling_mode="mean"))
+    assert fast[0].compiled_seams and fast[0].runtime.fused
+    assert max_diff(plain.encode(texts, batch_size=16), fast.encode(texts, batch_size=16)) <= TOLERANCE
+    assert FAMILIES[family] <= set(compiled_calls)  # the packs of 16 texts ran compiled
+
+
+def test_bf16_error_bound_with_compiled_seams(st_model, texts, compiled_calls):
+    assert_bf16_error_within_twice_plain(st_model("qwen3", pooling_mode="mean"), texts)
+    assert compiled_calls["residual_rms"] > 0
+
+
+def test_small_packs_and_the_off_switches_run_eagerly(st_model, texts, compiled_calls, monkeypatch):
+    folder = st_model("mistral", pooling_mode="mean")
+    model = SentenceTransformer(str(folder), backend="fast", device=DEVICE)
+    small = model.encode(texts[:3])  # a few short texts: one pack under MIN_TOKENS
+    assert sum(compiled_calls.values()) == 0
+    on = model.encode(texts, batch_size=16)
+    assert sum(compiled_calls.values()) > 0
+
+    compiled_calls.clear()
+    model[0].compiled_seams = False
+    assert not model[0].runtime.fused and "layer seams eager" in str(model[0].runtime)
+    off = model.encode(texts, batch_size=16)
+    assert sum(compiled_calls.values()) == 0
+    assert max_diff(on, off) <= TOLERANCE and max_diff(small, off[:3]) <= TOLERANCE
+
+    monkeypatch.setenv("ST_FASTBACKEND_COMPILE", "0")
+    assert not SentenceTransformer(str(folder), backend="fast", device=DEVICE)[0].runtime.fused
+
+
+def test_a_failed_compilation_leaves_the_eager_seam(caplog):
+    seam = fused._Timed(fused.gated)
+
+    def refuse(*args):
+        raise RuntimeError("no C++ compiler")
+
+    seam.compiled = refuse
+    x = torch.randn(T, 64)
+    with caplog.at_level(logging.WARNING, logger="st_fastbackend.engine.fused"):
+        torch.testing.assert_close(seam(x, ACT2FN["silu"]), fused.gated(x, ACT2FN["silu"]), atol=0, rtol=0)
+    assert "no C++ compiler" in caplog.text and seam.failed
