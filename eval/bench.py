@@ -86,18 +86,21 @@ PROMPTS = {
 }
 
 
-class PromptEveryTime:
-    """The fast backend with the prompt run again for every text (prompt_reuse off): what reuse saves."""
+class Without:
+    """The fast backend with one of its switches off for its calls: what that part saves.
+    "prompt_reuse" (on the model): the prompt run again for every text; "compiled_seams" (on its first
+    module): the layer seams eager (engine/fused.py)."""
 
-    def __init__(self, model) -> None:
-        self.model = model
+    def __init__(self, model, switch: str) -> None:
+        self.owner = model if switch == "prompt_reuse" else model[0]
+        self.model, self.switch = model, switch
 
     def encode(self, *args, **kwargs):
-        self.model.prompt_reuse = False
+        setattr(self.owner, self.switch, False)
         try:
             return self.model.encode(*args, **kwargs)
         finally:
-            self.model.prompt_reuse = True
+            setattr(self.owner, self.switch, True)
 
 
 def build_small_mistral(folder: Path) -> Path:
@@ -245,6 +248,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--output-dir", type=Path, default=REPO / "eval" / "results")
+    parser.add_argument("--eager-seams", action="store_true", help="also the fast backend with eager layer seams")
     parser.add_argument("--peers", nargs="*", default=[], metavar="NAME=PYTHON",
                         help="vllm, openvino, onnx or torch, and the Python of its environment")  # fmt: skip
     args = parser.parse_args()
@@ -282,9 +286,11 @@ def main() -> None:
                 texts, prompt = texts_by_workload[workload][: args.max_texts], PROMPTS.get(workload)
                 token_ids = systems["fast"][0].texts.encode(texts, prompt)
                 tokens = sum(len(ids) for ids in token_ids)
-                compared = (
-                    {**systems, "fast_prompt_every_time": PromptEveryTime(systems["fast"])} if prompt else systems
-                )
+                compared = dict(systems)
+                if prompt:
+                    compared["fast_prompt_every_time"] = Without(systems["fast"], "prompt_reuse")
+                if args.eager_seams:
+                    compared["fast_eager_seams"] = Without(systems["fast"], "compiled_seams")
                 results = run_case(compared, texts, args.batch_size, args.rounds, args.device, prompt)
                 for peer, python in peers.items():
                     peer_dtype = "fp32" if dtype == torch.float32 else "bf16"  # peers pick their own products

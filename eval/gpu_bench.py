@@ -6,9 +6,12 @@ sentence-transformers and the fast backend side by side on the same texts, in on
 3. correctness: fast vs plain on 64 texts (both bf16), and on a 4-layer copy both against an fp32
    reference, with the rule "our bf16 error <= 3x plain's own bf16 error";
 4. tokens/s for plain (sdpa, padded, its best batch_size of 8/16/32) and fast on real Wikipedia
-   paragraphs and on fixed lengths (128 ... 8192 tokens), with the ratio and MFU (achieved FLOP/s over
-   the measured ceiling; 2 x non-embedding parameters per token plus attention);
-5. the table, written to --out as JSON and Markdown, printed last.
+   paragraphs, on fixed lengths (128 ... 32,768 tokens) and on 1,000 SciFact claims after an e5-style
+   instruction, with the ratio and MFU (achieved FLOP/s over the measured ceiling; 2 x non-embedding
+   parameters per token plus attention); the fast backend also with its layer seams eager, and on the
+   instructed claims with the instruction run for every claim (what each part adds);
+5. latency: one encode() call of 32 short queries, ms (median);
+6. the table, written to --out as JSON and Markdown, printed last.
 
 Run through eval/gpu_bench.sh (it prepares and installs what the device machine lacks). `--dry-run`
 runs every step on a CPU with a 2-layer, narrow model and a few texts.
@@ -26,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from bench import flops, gemm_ceiling, sync
+from bench import PROMPTS, Without, flops, gemm_ceiling, sync
 from sentence_transformers import SentenceTransformer as PlainSentenceTransformer
 from sentence_transformers.sentence_transformer.modules import Normalize, Pooling
 from transformers import AutoTokenizer, MistralConfig, MistralModel
@@ -82,8 +85,8 @@ def load(folder: Path, backend: str, device: str, dtype: torch.dtype):
     return cls(str(folder), backend=backend, device=device, model_kwargs=kwargs)
 
 
-def encode(model, texts: list[str], batch_size: int) -> np.ndarray:
-    return model.encode(texts, batch_size=batch_size, convert_to_numpy=True).astype(np.float32)
+def encode(model, texts: list[str], batch_size: int, prompt: str | None = None) -> np.ndarray:
+    return model.encode(texts, batch_size=batch_size, prompt=prompt, convert_to_numpy=True).astype(np.float32)
 
 
 def one_minus_cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -111,16 +114,16 @@ def check_small_copy(work: Path, tokenizer_dir: Path, texts: list[str], device: 
     }
 
 
-def tokens_per_second(model, texts: list[str], batch_size: int, tokens: int, device: str, rounds: int) -> float:
-    encode(model, texts[: batch_size * 2], batch_size)  # warm-up: kernels, allocator
+def seconds_per_call(model, texts: list[str], batch_size: int, device: str, rounds: int, prompt=None) -> float:
+    model.encode(texts[: batch_size * 2], batch_size=batch_size, prompt=prompt)  # warm-up: kernels, allocator
     times = []
     for _ in range(rounds):
         sync(device)
         start = time.perf_counter()
-        model.encode(texts, batch_size=batch_size)
+        model.encode(texts, batch_size=batch_size, prompt=prompt)
         sync(device)
         times.append(time.perf_counter() - start)
-    return tokens / statistics.median(times)
+    return statistics.median(times)
 
 
 def fixed_length_texts(articles: list[str], length: int, count: int) -> list[str]:
@@ -131,15 +134,22 @@ def fixed_length_texts(articles: list[str], length: int, count: int) -> list[str
     return [" ".join(doubled[start : start + 2 * length]) for start in starts]
 
 
-def measure(plain, fast, texts: list[str], args, ceiling: float) -> dict:
-    """Both systems on the same texts; plain at its best batch_size, fast at its own."""
-    ids = fast[0].texts.encode(texts)
+def measure(plain, fast, texts: list[str], args, ceiling: float, prompt: str | None = None) -> dict:
+    """Both systems on the same texts; plain at its best batch_size, fast at its own, and fast at that
+    batch_size without each of its switches."""
+    ids = fast[0].texts.encode(texts, prompt)
     tokens = sum(len(seq) for seq in ids)
-    plain_runs = {bs: tokens_per_second(plain, texts, bs, tokens, args.device, args.rounds) for bs in (8, 16, 32)}
-    fast_runs = {bs: tokens_per_second(fast, texts, bs, tokens, args.device, args.rounds) for bs in (32, 512)}
+
+    def rate(model, bs: int) -> float:
+        return tokens / seconds_per_call(model, texts, bs, args.device, args.rounds, prompt)
+
+    plain_runs = {bs: rate(plain, bs) for bs in (8, 16, 32)}
+    fast_runs = {bs: rate(fast, bs) for bs in (32, 512)}
     plain_bs, fast_bs = max(plain_runs, key=plain_runs.get), max(fast_runs, key=fast_runs.get)
+    switches = ["compiled_seams"] + (["prompt_reuse"] if prompt else [])
+    without = {switch: rate(Without(fast, switch), fast_bs) for switch in switches}
     work = flops(fast, ids)
-    cosine = 1 - one_minus_cosine(encode(fast, texts[:8], 8), encode(plain, texts[:8], 8))
+    cosine = 1 - one_minus_cosine(encode(fast, texts[:8], 8, prompt), encode(plain, texts[:8], 8, prompt))
     return {
         "min_cosine_fast_vs_plain": float(cosine.min()),
         "texts": len(texts),
@@ -149,6 +159,9 @@ def measure(plain, fast, texts: list[str], args, ceiling: float) -> dict:
         "fast_tokens_per_s": fast_runs[fast_bs],
         "fast_batch_size": fast_bs,
         "ratio": fast_runs[fast_bs] / plain_runs[plain_bs],
+        "fast_without": {
+            switch: {"tokens_per_s": r, "fast_over_it": fast_runs[fast_bs] / r} for switch, r in without.items()
+        },
         "fast_mfu": work / tokens * fast_runs[fast_bs] / (ceiling * 1e9),
         "plain_mfu": work / tokens * plain_runs[plain_bs] / (ceiling * 1e9),
         "all_runs": {"plain": plain_runs, "fast": fast_runs},
@@ -160,15 +173,21 @@ def table(results: dict) -> str:
         f"bf16 GEMM ceiling: {results['ceiling_gflops'] / 1000:,.1f} TFLOP/s; kernel: {results['kernel']}; "
         f"device: {results['device_name']}",
         "",
-        "| workload | tokens | plain tok/s (bs) | fast tok/s (bs) | ratio | fast MFU | plain MFU | min cos |",
-        "|---|---|---|---|---|---|---|---|",
+        "| workload | tokens | plain tok/s (bs) | fast tok/s (bs) | ratio | fast MFU | plain MFU | min cos | "
+        "fast over: eager seams / prompt every time |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results["workloads"].items():
+        over = " / ".join(f"{w['fast_over_it']:.2f}x" for w in r["fast_without"].values())
         lines.append(
             f"| {name} | {r['tokens']} | {r['plain_tokens_per_s']:,.0f} ({r['plain_batch_size']}) | "
             f"{r['fast_tokens_per_s']:,.0f} ({r['fast_batch_size']}) | {r['ratio']:.2f}x | "
-            f"{r['fast_mfu']:.0%} | {r['plain_mfu']:.0%} | {r['min_cosine_fast_vs_plain']:.5f} |"
+            f"{r['fast_mfu']:.0%} | {r['plain_mfu']:.0%} | {r['min_cosine_fast_vs_plain']:.5f} | {over} |"
         )
+    if "latency" in results:
+        latency = results["latency"]
+        lines += ["", f"32 short queries, one encode() call: plain {latency['plain_ms']:.1f} ms, fast "
+                  f"{latency['fast_ms']:.1f} ms ({latency['plain_ms'] / latency['fast_ms']:.2f}x)"]  # fmt: skip
     small = results["correctness"]["small_copy"]
     lines += [
         "",
@@ -186,15 +205,17 @@ def main() -> None:
     parser.add_argument("--carry", type=Path, required=True, help="data/ and tokenizer/ prepared by gpu_bench.sh")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--work", type=Path, default=Path("/tmp/gpu_bench"), help="where the model folders go")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048, 8192])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048, 8192, 32768])
     parser.add_argument("--tokens-per-length", type=int, default=65536)
     parser.add_argument("--paragraphs", type=int, default=1024)
+    parser.add_argument("--claims", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--dry-run", action="store_true", help="CPU, 2 narrow layers, a few texts")
     args = parser.parse_args()
     overrides = DRY_RUN if args.dry_run else {}
     if args.dry_run:
         args.device, args.lengths, args.tokens_per_length, args.paragraphs = "cpu", [128, 8192], 8192, 96
+        args.claims = 64
     else:
         args.device = "cuda"
     args.out.mkdir(parents=True, exist_ok=True)
@@ -205,6 +226,8 @@ def main() -> None:
         paragraphs = [json.loads(line)["text"] for line in f][: args.paragraphs]
     with open(args.carry / "data" / "wikitext2_test_articles.jsonl", encoding="utf8") as f:
         articles = [json.loads(line)["text"] for line in f]
+    with open(args.carry / "data" / "scifact_queries.jsonl", encoding="utf8") as f:
+        claims = [json.loads(line)["text"] for line in f][: args.claims]
 
     results: dict = {"device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu (dry run)"}
     n = 8192 if args.device == "cuda" else 1024
@@ -226,16 +249,24 @@ def main() -> None:
     results["correctness"]["min_cosine_7b"] = float(cosine.min())
     log(f"kernel {results['kernel']}; fast vs plain min cosine {cosine.min():.5f}")
 
+    queries = claims[:32]
+    results["latency"] = {
+        f"{name}_ms": 1000 * seconds_per_call(model, queries, 32, args.device, max(args.rounds, 20))
+        for name, model in (("plain", plain), ("fast", fast))
+    }
+    log(json.dumps(results["latency"]))
     results["workloads"] = {}
-    workloads = [("wikipedia paragraphs", None, paragraphs)]
+    workloads = [("wikipedia paragraphs", None, paragraphs, None), ("instructed claims", None, claims, "instructed")]
     workloads += [
-        (f"{n} tokens", n, fixed_length_texts(articles, n, max(1, args.tokens_per_length // n))) for n in args.lengths
+        (f"{n} tokens", n, fixed_length_texts(articles, n, max(1, args.tokens_per_length // n)), None)
+        for n in args.lengths
     ]
-    for name, length, texts in workloads:  # each row written at once: a run cut short still reports
+    for name, length, texts, prompt in workloads:  # each row written at once: a run cut short still reports
         if length is not None:
             plain.max_seq_length = fast.max_seq_length = length
         log(f"{name} ({len(texts)} texts)")
-        results["workloads"][name] = measure(plain, fast, texts, args, results["ceiling_gflops"])
+        prompt = PROMPTS.get(prompt)
+        results["workloads"][name] = measure(plain, fast, texts, args, results["ceiling_gflops"], prompt)
         (args.out / "gpu_bench.json").write_text(json.dumps(results, indent=2))
         (args.out / "gpu_bench.md").write_text(table(results) + "\n")
     print(table(results), flush=True)

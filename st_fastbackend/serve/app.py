@@ -9,6 +9,7 @@ import contextlib
 from fastapi import FastAPI
 
 from st_fastbackend.embedder import Embedder
+from st_fastbackend.engine.fused import MIN_TOKENS
 from st_fastbackend.serve.batcher import Batcher, Job
 from st_fastbackend.serve.errors import ErrorResponses, add_error_handlers
 from st_fastbackend.serve.guard import Guard
@@ -49,7 +50,10 @@ def _lifespan(served: Served):
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         served.batcher.start()
-        ids = await served.tokenizer(["warm up"], None, None, truncate=True)
+        # Copies of one text at the longest length, adding up to a pack the compiled layer seams run for
+        # (engine/fused.py): their compilation happens here, before the first request, not during it.
+        ids = await served.tokenizer(["warm up " * MIN_TOKENS], None, None, truncate=True)
+        ids = ids * -(-MIN_TOKENS // len(ids[0]))
         await asyncio.wrap_future(served.batcher.submit(Job(token_ids=ids, prompt=None)))
         served.ready = True
         yield
