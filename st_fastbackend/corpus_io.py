@@ -1,0 +1,209 @@
+"""The corpus job's input: parquet files, a folder of them, JSON Lines or CSV, read through pyarrow a record batch
+at a time (never the whole corpus in memory), as two columns, the id and the text. One scan before any
+embedding counts the rows, finds the rows that cannot be embedded (a null text, a text that is not a string) and
+fingerprints the files, so a bad row stops the job before anything is written."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+FORMATS = {".parquet": "parquet", ".jsonl": "json", ".ndjson": "json", ".json": "json", ".csv": "csv"}
+BATCH_ROWS = 8192
+FINGERPRINT_BYTES = 1 << 16  # hashed at each end of every file, with its name and size
+
+
+class CorpusError(Exception):
+    """A mistake in the corpus job's input or output folder the user can fix (the CLI prints it in one line)."""
+
+
+@dataclass(frozen=True)
+class Columns:
+    id: str
+    text: str
+
+
+@dataclass(frozen=True)
+class InputScan:
+    files: tuple[Path, ...]
+    rows: int
+    rejects: pa.Table | None  # the id column, file, row (within its file), reason; None: no rejects
+    python_json: frozenset[Path]  # JSON Lines files pyarrow refuses (a text of another type): read with json
+    fingerprint: str
+
+
+def input_files(source: str) -> tuple[Path, ...]:
+    """A file, or a folder's files of one format (sorted by name); CorpusError for anything else."""
+    path = Path(source)
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in FORMATS)
+        if not files:
+            raise CorpusError(f"input folder {source} holds no {', '.join(FORMATS)} files")
+        if len({FORMATS[p.suffix] for p in files}) > 1:
+            raise CorpusError(f"input folder {source} mixes formats: give one format per folder")
+        return tuple(files)
+    if not path.is_file():
+        raise CorpusError(f"input {source} does not exist")
+    if path.suffix not in FORMATS:
+        raise CorpusError(f"input {source}: the extension chooses the format, one of {', '.join(FORMATS)}")
+    return (path,)
+
+
+def read_batches(path: Path, columns: Columns, python_json: bool = False) -> Iterator[pa.RecordBatch]:
+    """The file's id and text columns a record batch at a time."""
+    kind = FORMATS[path.suffix]
+    if kind == "parquet":
+        yield from _parquet_batches(path, columns)
+    elif kind == "csv":
+        yield from _csv_batches(path, columns)
+    elif python_json:
+        yield from _python_json_batches(path, columns)
+    else:
+        import pyarrow.json
+
+        for batch in pyarrow.json.open_json(path):
+            yield _select(batch, columns, path)
+
+
+def _parquet_batches(path: Path, columns: Columns) -> Iterator[pa.RecordBatch]:
+    import pyarrow.parquet as pq
+
+    file = pq.ParquetFile(path)
+    _check_columns(file.schema_arrow.names, columns, path)
+    yield from file.iter_batches(batch_size=BATCH_ROWS, columns=[columns.id, columns.text])
+
+
+def _csv_batches(path: Path, columns: Columns) -> Iterator[pa.RecordBatch]:
+    import pyarrow.csv as csv
+
+    # A CSV cell has no type of its own: the text column is read as a string even where it looks like a number.
+    convert = csv.ConvertOptions(column_types={columns.text: pa.string()})
+    for batch in csv.open_csv(path, convert_options=convert):
+        yield _select(batch, columns, path)
+
+
+def _python_json_batches(path: Path, columns: Columns) -> Iterator[pa.RecordBatch]:
+    """pyarrow's reader stops at a column whose type changes (a number among texts); json keeps going, and a
+    text that is not a string becomes null (the scan has rejected it already)."""
+    ids, texts = [], []
+    with open(path, encoding="utf8") as lines:
+        for line in lines:
+            if line.strip():
+                row = json.loads(line)
+                ids.append(row.get(columns.id))
+                text = row.get(columns.text)
+                texts.append(text if isinstance(text, str) else None)
+            if len(ids) == BATCH_ROWS:
+                yield pa.RecordBatch.from_pydict({columns.id: ids, columns.text: pa.array(texts, pa.string())})
+                ids, texts = [], []
+    if ids:
+        yield pa.RecordBatch.from_pydict({columns.id: ids, columns.text: pa.array(texts, pa.string())})
+
+
+def _select(batch: pa.RecordBatch, columns: Columns, path: Path) -> pa.RecordBatch:
+    _check_columns(batch.schema.names, columns, path)
+    return batch.select([columns.id, columns.text])
+
+
+def _check_columns(names: list[str], columns: Columns, path: Path) -> None:
+    for option, name in (("--id-column", columns.id), ("--text-column", columns.text)):
+        if name not in names:
+            raise CorpusError(f"{path} has no column {name!r} ({option}); its columns: {', '.join(names)}")
+
+
+def invalid_rows(batch: pa.RecordBatch | pa.Table, text_column: str) -> tuple[pa.BooleanArray, str]:
+    """Which rows cannot be embedded, and why."""
+    texts = batch.column(text_column)
+    if not is_string(texts.type):
+        return pa.array([True] * len(texts)), f"its text is {texts.type}, not a string"
+    return pc.is_null(texts), "its text is null"
+
+
+def still_to_embed(batch: pa.RecordBatch | pa.Table, columns: Columns, done: pa.Array | None):
+    """The rows of `batch` with a text to embed whose id no complete shard holds."""
+    keep = pc.invert(invalid_rows(batch, columns.text)[0])
+    if done is not None:
+        keep = pc.and_(keep, pc.invert(pc.is_in(batch.column(columns.id), value_set=done)))
+    return batch.filter(keep)
+
+
+def in_shards(batches: Iterator[pa.RecordBatch], shard_rows: int) -> Iterator[pa.Table]:
+    """Record batches regrouped into tables of `shard_rows` rows (the last one shorter)."""
+    held, count = [], 0
+    for batch in batches:
+        while len(batch):
+            taken = batch.slice(0, shard_rows - count)
+            held.append(taken)
+            count += len(taken)
+            batch = batch.slice(len(taken))
+            if count == shard_rows:
+                yield _table(held)
+                held, count = [], 0
+    if held:
+        yield _table(held)
+
+
+def _table(batches: list[pa.RecordBatch]) -> pa.Table:
+    """One table of batches from several files, whose types may differ (string and large_string, say)."""
+    tables = [pa.Table.from_batches([batch]) for batch in batches]
+    return pa.concat_tables(tables, promote_options="permissive")
+
+
+def is_string(type_: pa.DataType) -> bool:
+    return pa.types.is_string(type_) or pa.types.is_large_string(type_) or pa.types.is_string_view(type_)
+
+
+def scan_input(files: tuple[Path, ...], columns: Columns, stop_at_invalid: bool) -> InputScan:
+    """Rows and rejects of every file; with `stop_at_invalid`, CorpusError at the first bad row."""
+    rows, rejects, python_json = 0, [], set()
+    for path in files:
+        try:
+            found, count = _scan_file(path, columns, stop_at_invalid, python_json=False)
+        except pa.ArrowInvalid as error:
+            if FORMATS[path.suffix] != "json" or "changed from" not in str(error):
+                raise CorpusError(f"cannot read {path}: {error}") from error
+            python_json.add(path)
+            found, count = _scan_file(path, columns, stop_at_invalid, python_json=True)
+        rows += count
+        rejects += found
+    table = pa.concat_tables(rejects, promote_options="permissive") if rejects else None
+    return InputScan(files, rows, table, frozenset(python_json), fingerprint(files))
+
+
+def _scan_file(path: Path, columns: Columns, stop: bool, python_json: bool) -> tuple[list[pa.Table], int]:
+    found, row = [], 0
+    for batch in read_batches(path, columns, python_json):
+        mask, reason = invalid_rows(batch, columns.text)
+        reason = "its text is null or not a string" if python_json else reason
+        bad = pc.indices_nonzero(mask)
+        if len(bad) and stop:
+            row_id = batch.column(columns.id)[bad[0].as_py()].as_py()
+            raise CorpusError(
+                f"row {columns.id}={row_id!r} of {path} (row {row + bad[0].as_py()}): {reason}; "
+                "fix it, or pass --skip-invalid to list such rows in rejects.parquet"
+            )
+        if len(bad):
+            ids = batch.column(columns.id).take(bad)
+            where = {"file": pa.array([str(path)] * len(bad)), "row": pc.add(bad.cast(pa.int64()), row)}
+            found.append(pa.table({columns.id: ids, **where, "reason": pa.array([reason] * len(bad))}))
+        row += len(batch)
+    return found, row
+
+
+def fingerprint(files: tuple[Path, ...]) -> str:
+    """Names, sizes and both ends of every file: a different corpus in the same place is told apart at once."""
+    digest = hashlib.sha256()
+    for path in files:
+        size = path.stat().st_size
+        digest.update(f"{path.name}\0{size}\0".encode())
+        with open(path, "rb") as file:
+            digest.update(file.read(FINGERPRINT_BYTES))
+            file.seek(max(0, size - FINGERPRINT_BYTES))
+            digest.update(file.read(FINGERPRINT_BYTES))
+    return digest.hexdigest()[:16]

@@ -1,0 +1,100 @@
+"""The corpus job on Ray Data: read -> drop the rows done or invalid -> embed_dataset's actors (the fast model
+loaded once per worker) -> ShardSink. The sink writes shards exactly as the local job does (whole or not at
+all, the job's identity in their metadata), so either job resumes a folder the other began. The output folder
+must be one path every node reaches (a shared filesystem on a cluster)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray
+import ray.data
+from ray.data.block import BlockAccessor
+from ray.data.datasource import Datasink
+
+from st_fastbackend.corpus_io import FORMATS, Columns, InputScan, in_shards, read_batches, still_to_embed
+from st_fastbackend.corpus_output import OutputFolder, new_run_name
+from st_fastbackend.integrations.ray import embed_dataset
+
+
+def start_ray(address: str | None, cpus: float) -> None:
+    """Join the cluster at `address`; else one on this machine with the workers' CPUs and one to read and write.
+    A Ray already started in this process (a test's, a notebook's) is used as it is."""
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address)
+    else:
+        ray.init(num_cpus=int(cpus) + 1, include_dashboard=False)
+
+
+def read_dataset(scan: InputScan, columns: Columns) -> ray.data.Dataset:
+    """The input files as one dataset of [id, text]; JSON Lines files pyarrow refuses are read here with json."""
+    paths = [str(path) for path in scan.files if path not in scan.python_json]
+    parts = []
+    if paths:
+        kind = FORMATS[scan.files[0].suffix]
+        if kind == "parquet":
+            parts.append(ray.data.read_parquet(paths, columns=[columns.id, columns.text], file_extensions=None))
+        elif kind == "csv":
+            import pyarrow.csv as csv
+
+            convert = csv.ConvertOptions(column_types={columns.text: pa.string()})
+            parts.append(ray.data.read_csv(paths, convert_options=convert).select_columns([columns.id, columns.text]))
+        else:
+            parts.append(ray.data.read_json(paths, file_extensions=None).select_columns([columns.id, columns.text]))
+    for path in sorted(scan.python_json):
+        parts.append(ray.data.from_arrow(pa.Table.from_batches(list(read_batches(path, columns, python_json=True)))))
+    return parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
+
+
+class ShardSink(Datasink):
+    """Each write task cuts what it receives into shards of `shard_rows` rows, written whole or not at all."""
+
+    def __init__(self, folder: OutputFolder, run: str, shard_rows: int) -> None:
+        self.folder, self.run, self.shard_rows = folder, run, shard_rows
+
+    @property
+    def min_rows_per_write(self) -> int:
+        return self.shard_rows
+
+    def write(self, blocks: Iterable, ctx) -> int:
+        tables = (BlockAccessor.for_block(block).to_arrow() for block in blocks)
+        batches = (batch for table in tables for batch in table.to_batches())
+        written = 0
+        for index, shard in enumerate(in_shards(batches, self.shard_rows)):
+            embedding = shard.column("embedding").combine_chunks()
+            rows = np.asarray(embedding.flatten()).reshape(len(shard), embedding.type.list_size)
+            name = f"part-{self.run}-{ctx.task_idx:05d}-{index:05d}.parquet"
+            self.folder.write_shard(name, shard.column(self.folder.spec.id_column), rows)
+            written += len(shard)
+        return written
+
+
+def run_ray(scan: InputScan, folder: OutputFolder, done: pa.Array | None, model: str, options: dict,
+            shard_rows: int) -> tuple[int, float]:  # fmt: skip
+    """Rows embedded by this run and the seconds it took; `done`: from folder.prepare(); options: embed_dataset's
+    keywords."""
+    columns = Columns(folder.spec.id_column, folder.spec.text_column)
+    start = time.perf_counter()
+    ds = read_dataset(scan, columns)
+    ds = ds.map_batches(still_to_embed, batch_format="pyarrow", fn_kwargs=dict(columns=columns, done=done))
+    ds = embed_dataset(ds, model, text_column=columns.text, **options)
+    ds.write_datasink(ShardSink(folder, new_run_name(), shard_rows))
+    rows = sum(pq.read_metadata(shard).num_rows for shard in folder.shards())
+    return rows - (0 if done is None else len(done)), time.perf_counter() - start
+
+
+def shard_dimension(folder: OutputFolder) -> int | None:
+    """The embeddings' width, from a shard (the driver of a Ray job never loads the model); None: no shards."""
+    shards = folder.shards()
+    return pq.read_schema(shards[0]).field("embedding").type.list_size if shards else None
+
+
+def local_cpus(num_workers: int) -> int:
+    return max(1, (os.cpu_count() or 1) // num_workers)

@@ -1,0 +1,99 @@
+"""Ray Data: add an `embedding` column to a dataset, on a pool of actors that each load the fast model once.
+
+    import ray
+    from st_fastbackend.integrations.ray import embed_dataset
+
+    ds = embed_dataset(ray.data.read_parquet("corpus/"), "intfloat/e5-base-v2", prompt="passage: ", num_workers=4)
+    ds.write_parquet("embeddings/")
+
+Needs the `ray` extra (pip install st_fastbackend[ray]); `import st_fastbackend` never imports ray.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pyarrow as pa
+
+# encode() options the actors apply: the prompt, the packing budgets, unit length.
+ENCODE_OPTIONS = ("prompt", "prompt_name", "batch_size", "max_tokens_per_batch", "normalize_embeddings")
+ROWS_PER_CALL = 4096  # rows an actor receives at once: sorted by length and packed together
+
+
+class EmbedBatches:
+    """The Ray Data actor: loads the model once, then embeds one batch (a pyarrow Table) per call."""
+
+    def __init__(self, model: str, load_kwargs: dict[str, Any], text_column: str, threads: int | None,
+                 encode_kwargs: dict[str, Any]) -> None:  # fmt: skip
+        import torch
+
+        from st_fastbackend import SentenceTransformer
+        from st_fastbackend.corpus import TextEmbedder
+
+        if threads:  # Ray sets OMP_NUM_THREADS from the actor's CPUs; said here, not left to the environment
+            torch.set_num_threads(threads)
+        load_kwargs = dict(load_kwargs)
+        max_seq_length = load_kwargs.pop("max_seq_length", None)  # an attribute, not a constructor argument
+        loaded = SentenceTransformer(model, backend="fast", **load_kwargs)
+        if max_seq_length:
+            loaded.max_seq_length = max_seq_length
+        self.embed = TextEmbedder(loaded, **encode_kwargs)
+        self.text_column = text_column
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        import pyarrow.compute as pc
+
+        from st_fastbackend.corpus_io import invalid_rows
+
+        invalid, reason = invalid_rows(batch, self.text_column)
+        if pc.any(invalid).as_py():
+            first = pc.index(invalid, True).as_py()
+            raise ValueError(f"row {first} of a batch of {len(batch)} cannot be embedded: {reason}")
+        rows, _ = self.embed(batch.column(self.text_column).to_pylist())
+        embedding = pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1)), rows.shape[1])
+        return batch.append_column("embedding", embedding)
+
+
+def embed_dataset(
+    ds,
+    model: str,
+    *,
+    text_column: str = "text",
+    num_workers: int | None = None,
+    gpus_per_worker: float = 0,
+    cpus_per_worker: float = 1,
+    load_kwargs: dict[str, Any] | None = None,
+    rows_per_call: int = ROWS_PER_CALL,
+    **encode_kwargs,
+):
+    """`ds` with an `embedding` column (fixed-size lists of float32), as `model.encode` gives it.
+
+    model: a folder every worker can read, or a Hub id. num_workers: a fixed pool of that many actors; None, a
+    pool Ray grows from one as resources allow. Each actor holds `gpus_per_worker` GPUs (the model then loads
+    on CUDA) and `cpus_per_worker` CPUs (PyTorch's thread count). load_kwargs: for SentenceTransformer(...),
+    e.g. {"model_kwargs": {"dtype": torch.bfloat16}}, and max_seq_length. encode_kwargs: prompt, prompt_name,
+    batch_size, max_tokens_per_batch, normalize_embeddings. A null or non-string text fails the job (filter
+    such rows first)."""
+    import ray.data
+
+    unknown = sorted(set(encode_kwargs) - set(ENCODE_OPTIONS))
+    if unknown:
+        raise TypeError(f"embed_dataset() does not take {', '.join(unknown)}; encode options: {ENCODE_OPTIONS}")
+    if not isinstance(model, str):
+        raise TypeError("embed_dataset() takes the model's folder or Hub id: each worker loads its own copy")
+    load_kwargs = dict(load_kwargs or {})
+    if gpus_per_worker:
+        load_kwargs.setdefault("device", "cuda")
+    pool = ray.data.ActorPoolStrategy(size=num_workers) if num_workers else ray.data.ActorPoolStrategy(min_size=1)
+    threads = max(1, int(cpus_per_worker)) if not gpus_per_worker else None
+    return ds.map_batches(
+        EmbedBatches,
+        batch_format="pyarrow",
+        batch_size=rows_per_call,
+        compute=pool,
+        num_cpus=cpus_per_worker,
+        num_gpus=gpus_per_worker or None,
+        fn_constructor_kwargs=dict(
+            model=model, load_kwargs=load_kwargs, text_column=text_column, threads=threads, encode_kwargs=encode_kwargs
+        ),  # fmt: skip
+    )

@@ -1,0 +1,51 @@
+"""Corpus inputs for the embed-corpus tests, and reading a job's output folder back."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+def write_parquet(path: Path, ids: list, texts: list) -> Path:
+    pq.write_table(pa.table({"id": ids, "text": pa.array(texts, pa.string()), "other": list(range(len(ids)))}), path)
+    return path
+
+
+def write_jsonl(path: Path, ids: list, texts: list) -> Path:
+    rows = ({"id": row_id, "text": text, "lang": "xx"} for row_id, text in zip(ids, texts, strict=True))
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def write_csv(path: Path, ids: list, texts: list) -> Path:
+    with open(path, "w", newline="", encoding="utf8") as out:
+        writer = csv.writer(out)
+        writer.writerow(["id", "text"])
+        writer.writerows(zip(ids, texts, strict=True))
+    return path
+
+
+def read_output(folder: Path, id_column: str = "id") -> tuple[list, np.ndarray]:
+    """Every complete shard's ids and embeddings, in shard order; no id twice."""
+    shards = sorted(folder.glob("part-*.parquet"))
+    if not shards:
+        return [], np.zeros((0, 0), np.float32)
+    table = pa.concat_tables(pq.read_table(shard) for shard in shards)
+    ids = table.column(id_column).to_pylist()
+    assert len(ids) == len(set(ids)), "an id was written twice"
+    embedding = table.column("embedding").combine_chunks()
+    rows = np.asarray(embedding.flatten()).reshape(len(ids), embedding.type.list_size)
+    return ids, rows
+
+
+def by_id(ids: list, rows: np.ndarray) -> dict:
+    return {row_id: row for row_id, row in zip(ids, rows, strict=True)}
+
+
+def manifest(folder: Path) -> dict:
+    return json.loads((folder / "manifest.json").read_text())

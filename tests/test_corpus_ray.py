@@ -1,0 +1,59 @@
+"""Ray Data, on a local Ray cluster of 2 CPUs started once for the module: `embed-corpus --ray` resumes a folder
+the local job began with what model.encode gives, and embed_dataset adds an `embedding` column."""
+
+import numpy as np
+import pytest
+from corpus_files import by_id, manifest, read_output, write_jsonl
+from helpers import TOLERANCE
+
+from st_fastbackend import SentenceTransformer
+from st_fastbackend.cli import main
+
+ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def folder(st_model):
+    return st_model("bert", pooling_mode="mean")
+
+
+@pytest.fixture(scope="module")
+def expected(folder, texts):
+    return SentenceTransformer(str(folder), backend="fast", device="cpu").encode(texts)
+
+
+def test_ray_cli_resumes_what_the_local_job_began(folder, texts, expected, tmp_path):
+    """Shards are the same on both paths: a local run loses a shard, `--ray` adds only its rows, each equal to
+    model.encode's, and writes the manifest."""
+    ids = [f"doc-{i}" for i in range(len(texts))]
+    write_jsonl(tmp_path / "in.jsonl", ids, texts)
+    arguments = ["embed-corpus", str(tmp_path / "in.jsonl"), str(tmp_path / "out"), "--model", str(folder)]
+    main([*arguments, "--shard-rows", "10"])
+    lost = sorted((tmp_path / "out").glob("part-*.parquet"))[2]
+    lost.unlink()
+    (tmp_path / "out" / "manifest.json").unlink()
+    main([*arguments, "--ray", "--num-workers", "1", "--shard-rows", "10"])
+    got = by_id(*read_output(tmp_path / "out"))  # no id twice
+    assert sorted(got) == sorted(ids) and len(list((tmp_path / "out").glob("part-*.parquet"))) == 4
+    assert max(np.abs(got[row_id] - expected[i]).max() for i, row_id in enumerate(ids)) < TOLERANCE
+    written = manifest(tmp_path / "out")
+    assert written["rows"]["embedded"] == len(texts) and written["dimension"] == expected.shape[1]
+
+
+def test_embed_dataset_adds_an_embedding_column(folder, texts, expected):
+    from st_fastbackend.integrations.ray import embed_dataset
+
+    ds = ray.data.from_items([{"key": i, "body": text} for i, text in enumerate(texts)])
+    rows = embed_dataset(ds, str(folder), text_column="body", num_workers=1, batch_size=8).take_all()
+    assert sorted(row["key"] for row in rows) == list(range(len(texts)))
+    assert max(np.abs(np.asarray(row["embedding"]) - expected[row["key"]]).max() for row in rows) < TOLERANCE
+    with pytest.raises(TypeError, match="does not take precision"):
+        embed_dataset(ds, str(folder), precision="int8")
