@@ -3,7 +3,10 @@
 Each refuses what the real kernel refuses (fp32, unequal head counts without grouped-query support,
 int64 boundaries) and computes the flash kernels' masking rule exactly: a query at position i sees
 key j of its own sequence where j >= i - left (left >= 0) and j <= i + right (right >= 0), and j <= i
-when causal; (w, w) is a symmetric window. The softmax scale is `scale` (1/sqrt(head_dim) when None).
+when causal; (w, w) is a symmetric window. Where a sequence has more keys than queries (Lk > Lq), the
+queries are aligned with the end of the keys: i counts from Lk - Lq (flash-attn >= 2.1, "the causal mask
+is aligned to the bottom right corner of the attention matrix"). The softmax scale is `scale`
+(1/sqrt(head_dim) when None).
 Signatures as read from PyTorch's torch/nn/attention/varlen.py at each release tag and
 from flash-attn 2's flash_attn_interface.py.
 """
@@ -23,29 +26,34 @@ class Calls:
     """How many times the installed stand-in ran."""
 
     count = 0
+    longer_keys = 0  # calls where some sequence has more keys than queries
 
 
-def flash_reference(q, k, v, cu_seq_q, *, causal, window_size, grouped, scale=None):
+def flash_reference(q, k, v, cu_seq_q, cu_seq_k, *, causal, window_size, grouped, scale=None):
     """The flash kernels' contract, computed per sequence in fp32 and returned in the input dtype."""
     if q.dtype not in (torch.float16, torch.bfloat16) or not q.dtype == k.dtype == v.dtype:
         raise RuntimeError("FlashAttention only support fp16 and bf16 data type")  # the real kernels' refusal
-    if cu_seq_q.dtype != torch.int32:
+    if cu_seq_q.dtype != torch.int32 or cu_seq_k.dtype != torch.int32:
         raise RuntimeError("cu_seqlens_q must have dtype int32")
+    if len(cu_seq_q) != len(cu_seq_k) or cu_seq_k[-1] != len(k):
+        raise RuntimeError("cu_seqlens_k must have shape (batch_size + 1) and end at the number of keys")
     if q.shape[1] != k.shape[1] and not grouped:
         raise ValueError(f"Expect query and key/value to have the same number of heads: {q.shape[1]}, {k.shape[1]}")
     if not isinstance(window_size, tuple):
         raise TypeError("window_size must be a tuple: varlen_attn compares it with (-1, 0)")
     Calls.count += 1
+    Calls.longer_keys += int(not torch.equal(cu_seq_q, cu_seq_k))
     left, right = window_size
     k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     out = torch.empty_like(q)
-    bounds = cu_seq_q.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-        qi, ki, vi = (t[start:end].float().transpose(0, 1) for t in (q, k, v))  # [H, L, D]
-        scores = qi @ ki.transpose(1, 2) * (scale or 1 / math.sqrt(q.shape[-1]))  # [H, L, L]
-        i = torch.arange(end - start)[:, None]
-        j = torch.arange(end - start)[None, :]
-        allowed = torch.ones(end - start, end - start, dtype=torch.bool)
+    bounds_q, bounds_k = cu_seq_q.tolist(), cu_seq_k.tolist()
+    for start, end, start_k, end_k in zip(bounds_q[:-1], bounds_q[1:], bounds_k[:-1], bounds_k[1:], strict=True):
+        qi = q[start:end].float().transpose(0, 1)  # [H, Lq, D]
+        ki, vi = (t[start_k:end_k].float().transpose(0, 1) for t in (k, v))  # [H, Lk, D]
+        scores = qi @ ki.transpose(1, 2) * (scale or 1 / math.sqrt(q.shape[-1]))  # [H, Lq, Lk]
+        i = torch.arange(end - start)[:, None] + (end_k - start_k) - (end - start)  # aligned with the keys' end
+        j = torch.arange(end_k - start_k)[None, :]
+        allowed = torch.ones(end - start, end_k - start_k, dtype=torch.bool)
         if left >= 0:
             allowed &= j >= i - left
         if right >= 0:
@@ -58,7 +66,9 @@ def flash_reference(q, k, v, cu_seq_q, *, causal, window_size, grouped, scale=No
 
 
 def varlen_attn_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
-    return flash_reference(query, key, value, cu_seq_q, causal=is_causal, window_size=(-1, -1), grouped=False)
+    return flash_reference(
+        query, key, value, cu_seq_q, cu_seq_k, causal=is_causal, window_size=(-1, -1), grouped=False
+    )
 
 
 def varlen_attn_2_11(
@@ -66,7 +76,7 @@ def varlen_attn_2_11(
 ):
     is_causal = window_size == (-1, 0)  # as PyTorch 2.11 derives it
     return flash_reference(
-        query, key, value, cu_seq_q, causal=is_causal, window_size=window_size, grouped=False, scale=scale
+        query, key, value, cu_seq_q, cu_seq_k, causal=is_causal, window_size=window_size, grouped=False, scale=scale
     )
 
 
@@ -89,7 +99,8 @@ def varlen_attn_2_13(
 ):
     is_causal = window_size == (-1, 0)
     return flash_reference(
-        query, key, value, cu_seq_q, causal=is_causal, window_size=window_size, grouped=enable_gqa, scale=scale
+        query, key, value, cu_seq_q, cu_seq_k, causal=is_causal, window_size=window_size, grouped=enable_gqa,
+        scale=scale,
     )
 
 
@@ -115,7 +126,8 @@ def flash_attn_varlen_func(
     if softcap:
         raise NotImplementedError("the stand-in has no soft-capping (the engine never asks for it)")
     return flash_reference(
-        q, k, v, cu_seqlens_q, causal=causal, window_size=window_size, grouped=True, scale=softmax_scale
+        q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, window_size=window_size, grouped=True,
+        scale=softmax_scale,
     )
 
 
@@ -131,7 +143,7 @@ def install(monkeypatch, name: str) -> None:
     """Make the CPU look like a GPU with the named kernel installed, for choose_runtime and the engine."""
     import torch.nn.attention.varlen as varlen
 
-    Calls.count = 0
+    Calls.count = Calls.longer_keys = 0
     if name.startswith("flash-attn"):
         monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=STANDINS[name]))
     else:

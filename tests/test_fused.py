@@ -123,3 +123,13 @@ def test_a_failed_compilation_leaves_the_eager_seam(caplog):
     with caplog.at_level(logging.WARNING, logger="st_fastbackend.engine.fused"):
         torch.testing.assert_close(seam(x, ACT2FN["silu"]), fused.gated(x, ACT2FN["silu"]), atol=0, rtol=0)
     assert "no C++ compiler" in caplog.text and seam.failed
+
+
+def test_past_the_recompile_limit_a_new_variant_runs_eagerly():
+    """PyTorch compiles a function for at most `recompile_limit` variants (here inputs of another rank);
+    past it, no error: the eager result."""
+    seam = fused._Timed(fused.add_layer_norm)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for shape in ((T, 64), (T, 3, 64), (T, 2, 3, 64)):
+            args = (torch.randn(shape), torch.randn(shape), torch.ones(64), None, 1e-5)
+            torch.testing.assert_close(seam(*args), fused.add_layer_norm(*args), atol=1e-5, rtol=1e-5)

@@ -1,11 +1,13 @@
 """engine/prefix.py: a prompt shared by the texts of a call, computed once on causal decoders, gives the
 embeddings plain sentence-transformers gives with the prompt run for every text."""
 
+import kernel_standins
 import numpy as np
 import pytest
 import torch
 from builders import add_e5_tokenizer_contradiction, build_st_model
 from helpers import DEVICE, TOLERANCE, load_both, max_diff
+from test_bf16 import one_minus_cosine
 
 from st_fastbackend import SentenceTransformer
 from st_fastbackend.embedder import Embedder
@@ -55,6 +57,24 @@ def test_windows_and_families_match_plain(st_model, texts, reused, variant):
     expected = plain.encode(texts, prompt=INSTRUCTION, batch_size=8)
     assert max_diff(fast.encode(texts, prompt=INSTRUCTION, batch_size=8), expected) <= TOLERANCE
     assert reused["tokens"] > 0
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the stand-ins replace the CUDA kernels on the CPU")
+@pytest.mark.parametrize("name", kernel_standins.STANDINS)
+@pytest.mark.parametrize("variant", ["mistral window 16", "llama grouped heads"])
+def test_the_varlen_kernels_take_each_texts_keys_after_the_prompts(standin, st_model, texts, reused, name, variant):
+    """bf16 through each kernel release's stand-in: the texts' queries against [prompt keys ; own keys]
+    packed with their own boundaries (every release but 2.10, which has no window, with the window)."""
+    standin(name)
+    family, overrides = VARIANTS[variant]
+    _, fast = load_both(st_model(family, pooling_mode="mean", **overrides), model_kwargs={"dtype": torch.bfloat16})
+    once = fast.encode(texts, prompt=INSTRUCTION, batch_size=8)
+    assert reused["tokens"] > 0
+    windowless = name == "torch 2.10" and "window" in variant  # the SDPA path with the prompt's keys instead
+    assert (kernel_standins.Calls.longer_keys == 0) == windowless
+    fast.prompt_reuse = False
+    every_time = fast.encode(texts, prompt=INSTRUCTION, batch_size=8)
+    assert one_minus_cosine(once.astype(np.float32), every_time.astype(np.float32)).max() <= 2e-3
 
 
 def test_a_text_alone_equals_the_same_text_among_others(st_model, texts):

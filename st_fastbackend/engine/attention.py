@@ -30,20 +30,25 @@ def varlen_attention(
     window: int | None,
     runtime: Runtime,
     scale: float | None = None,
+    keys: tuple[Tensor, int] | None = None,
 ) -> Tensor:
-    cuts = window is not None and batch.max_seqlen > window  # the window changes some sequence's result
-    if runtime.kernel == "sdpa_loop" or (cuts and not runtime.window):
+    """`keys`: (cu_seqlens, max_seqlen) of k and v where they are not the queries' (texts after a prompt
+    computed once: engine/prefix.py), causal only; both kernels align a shorter query sequence with the end
+    of its keys (flash-attn >= 2.1's rule, which PyTorch's copy of the kernel follows)."""
+    cu, n = batch.cu_seqlens, batch.max_seqlen
+    cu_k, n_k = keys if keys is not None else (cu, n)
+    cuts = window is not None and n_k > window  # the window changes some sequence's result
+    if keys is None and (runtime.kernel == "sdpa_loop" or (cuts and not runtime.window)):
         return sdpa_attention(q, k, v, batch, causal=causal, window=window, runtime=runtime, scale=scale)
     if not runtime.grouped_heads:
         k, v = _repeat_kv(k, v, q.shape[1])
     side = window - 1 if window is not None and cuts else -1  # both kernels count the window without the query
     window_size = (side, 0) if causal else (side, side)
-    cu, n = batch.cu_seqlens, batch.max_seqlen
     if runtime.kernel == "flash_attn":
         from flash_attn import flash_attn_varlen_func
 
         options = dict(softmax_scale=scale, causal=causal, window_size=window_size)
-        return flash_attn_varlen_func(q, k, v, cu, cu, n, n, **options)
+        return flash_attn_varlen_func(q, k, v, cu, cu_k, n, n_k, **options)
     from torch.nn.attention.varlen import varlen_attn
 
     options: dict = {}
@@ -57,7 +62,7 @@ def varlen_attention(
         options["is_causal"] = causal
     if runtime.grouped_heads and q.shape[1] != k.shape[1]:
         options["enable_gqa"] = True
-    return varlen_attn(q, k, v, cu, cu, n, n, **options)
+    return varlen_attn(q, k, v, cu, cu_k, n, n_k, **options)
 
 
 def sdpa_attention(

@@ -13,9 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
-from st_fastbackend.engine.attention import sdpa_attention
+from st_fastbackend.engine.attention import sdpa_attention, varlen_attention
 from st_fastbackend.engine.batch import PackedBatch
 from st_fastbackend.engine.runtime import Runtime
 
@@ -52,7 +53,34 @@ def prefixed_attention(
 ) -> Tensor:  # fmt: skip
     """Causal attention of packed texts that all follow the same prefix: token i of a text, at position
     P + i, sees the prefix's keys and its own keys up to i, those within `window` positions of it.
-    q: [T, Hq, D], k and v: [T, Hkv, D] (the texts' own tokens) -> [T, Hq, D]. Through SDPA on every
-    device, the prefix's keys joined to each text's (a copy of P keys per text) under an explicit mask."""
-    prefix = (kv.keys, kv.values)
-    return sdpa_attention(q, k, v, batch, causal=True, window=window, runtime=runtime, scale=scale, prefix=prefix)
+    q: [T, Hq, D], k and v: [T, Hkv, D] (the texts' own tokens) -> [T, Hq, D]. Through the varlen kernels
+    with each text's keys [prefix ; its own] packed (query and key boundaries differ), where the runtime
+    has one that takes the window; else through SDPA under an explicit mask."""
+    if runtime.kernel == "sdpa_loop" or (window is not None and not runtime.window):
+        prefix = (kv.keys, kv.values)
+        return sdpa_attention(q, k, v, batch, causal=True, window=window, runtime=runtime, scale=scale, prefix=prefix)
+    cu_k, rows = _key_layout(batch, len(kv.keys))
+    keys, values = _joined(kv.keys, k, rows), _joined(kv.values, v, rows)
+    bounds = (cu_k, batch.max_seqlen + len(kv.keys))
+    return varlen_attention(
+        q, keys, values, batch, causal=True, window=window, runtime=runtime, scale=scale, keys=bounds
+    )
+
+
+def _key_layout(batch: PackedBatch, length: int) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    """Each text's keys packed as [`length` prefix keys ; its own]: their cu_seqlens, and the rows the
+    prefix's keys and the texts' own keys go to (index arithmetic only: no copy back to the host)."""
+    steps = torch.arange(batch.num_sequences + 1, device=batch.cu_seqlens.device, dtype=batch.cu_seqlens.dtype)
+    cu_k = batch.cu_seqlens + length * steps
+    prefix_rows = (cu_k[:-1, None] + torch.arange(length, device=cu_k.device)).flatten()  # [B * P]
+    own_rows = torch.arange(batch.num_tokens, device=cu_k.device) + length * (batch.sequence_ids() + 1)  # [T]
+    return cu_k, (prefix_rows, own_rows)
+
+
+def _joined(prefix: Tensor, own: Tensor, rows: tuple[Tensor, Tensor]) -> Tensor:
+    """[P, H, D] and the texts' own [T, H, D] -> [B * P + T, H, D]: each text's [prefix ; own], packed."""
+    prefix_rows, own_rows = rows
+    out = own.new_empty((len(prefix_rows) + own.shape[0], *own.shape[1:]))
+    out[prefix_rows] = prefix.to(own.dtype).repeat(len(prefix_rows) // prefix.shape[0], 1, 1)
+    out[own_rows] = own
+    return out
