@@ -50,9 +50,9 @@ def _lifespan(served: Served):
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         served.batcher.start()
-        # Copies of one text at the longest length, adding up to a pack the compiled layer seams run for
-        # (engine/fused.py): their compilation happens here, before the first request, not during it.
-        ids = await served.tokenizer(["warm up " * MIN_TOKENS], None, None, truncate=True)
+        # Copies of a short text adding up to a pack the compiled layer seams run for (engine/fused.py), in
+        # one batch where --max-batch-size allows: they compile here, before the first request, not in it.
+        ids = await served.tokenizer(["warm up"], None, None, truncate=True)
         ids = ids * -(-MIN_TOKENS // len(ids[0]))
         await asyncio.wrap_future(served.batcher.submit(Job(token_ids=ids, prompt=None)))
         served.ready = True
