@@ -71,9 +71,7 @@ def _add_encode(encode: argparse.ArgumentParser) -> None:
     encode.add_argument("--output", required=True, help=f"where to write [N, dim]: {', '.join(OUTPUT_FORMATS)}")
     encode.add_argument("--backend", default="fast", choices=["fast", "torch", "onnx", "openvino"],
                         help="fast: the packed backend; the others: plain sentence-transformers")  # fmt: skip
-    prompts = encode.add_mutually_exclusive_group()
-    prompts.add_argument("--prompt", default=None, help="text put before every input, e.g. 'query: '")
-    prompts.add_argument("--prompt-name", default=None, help="a prompt from the model's config, e.g. query")
+    add_prompt_options(encode, "query: ", "query")
     encode.add_argument("--batch-size", type=int, default=32, help="texts per batch at most")
     encode.add_argument("--max-tokens-per-batch", type=_positive, default=None,
                         help="tokens per packed batch (--backend fast); default: the model's, by device")  # fmt: skip
@@ -102,6 +100,13 @@ def _add_serve(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="for the server's and the library's log lines")  # fmt: skip
     serve.add_argument("--no-access-log", action="store_true", help="no line per request")
+
+
+def add_prompt_options(command: argparse.ArgumentParser, prompt: str, name: str) -> None:
+    """--prompt or --prompt-name (one at most), with an example of each in their help."""
+    prompts = command.add_mutually_exclusive_group()
+    prompts.add_argument("--prompt", default=None, help=f"text put before every input, e.g. '{prompt}'")
+    prompts.add_argument("--prompt-name", default=None, help=f"a prompt from the model's config, e.g. {name}")
 
 
 def _dtype_name(value: str) -> str:

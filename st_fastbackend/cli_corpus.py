@@ -15,6 +15,7 @@ from st_fastbackend.cli import (
     _dtype_name,
     _first_line,
     _positive,
+    add_prompt_options,
     check_model,
     describe,
     load_model,
@@ -31,9 +32,7 @@ def add_embed_corpus(commands, formatter_class) -> None:
     corpus.add_argument("--model", required=True, help="a sentence-transformers folder or Hub id")
     corpus.add_argument("--text-column", default="text", help="the column to embed")
     corpus.add_argument("--id-column", default="id", help="the column written beside each embedding")
-    prompts = corpus.add_mutually_exclusive_group()
-    prompts.add_argument("--prompt", default=None, help="text put before every input, e.g. 'passage: '")
-    prompts.add_argument("--prompt-name", default=None, help="a prompt from the model's config, e.g. document")
+    add_prompt_options(corpus, "passage: ", "document")
     corpus.add_argument("--batch-size", type=_positive, default=32, help="texts per packed batch at most")
     corpus.add_argument("--max-tokens-per-batch", type=_positive, default=None,
                         help="tokens per packed batch; default: the model's, by device")  # fmt: skip
