@@ -109,17 +109,18 @@ def _run_ray(args, scan, folder, done) -> None:
     cpus = args.cpus_per_worker or (local_cpus(workers) if on_this_machine and not args.gpus_per_worker else 1)
     start_ray(args.ray_address, cpus * workers)
     options = dict(num_workers=workers, gpus_per_worker=args.gpus_per_worker, cpus_per_worker=cpus,
-                   load_kwargs=_load_kwargs(args), prompt=args.prompt, prompt_name=args.prompt_name,
-                   batch_size=args.batch_size, max_tokens_per_batch=args.max_tokens_per_batch)  # fmt: skip
+                   load_kwargs=_load_kwargs(args), matmul_precision=args.matmul_precision, prompt=args.prompt,
+                   prompt_name=args.prompt_name, batch_size=args.batch_size,
+                   max_tokens_per_batch=args.max_tokens_per_batch)  # fmt: skip
     try:
-        rows, seconds = run_ray(scan, folder, done, args.model, options, args.shard_rows)
+        rows, tokens, seconds = run_ray(scan, folder, done, args.model, options, args.shard_rows)
     except Exception as error:  # a worker's failure arrives wrapped by Ray; one line, --debug shows it whole
         if args.debug:
             raise
         raise CliError(f"the Ray job failed: {_first_line(error)}") from error
     folder.finish(scan, shard_dimension(folder), args.prompt)
-    print(f"{_counts(rows, _length(done), scan)}; {seconds:.2f}s on Ray Data ({workers} workers) -> "
-          f"{args.output_dir}", file=sys.stderr)  # fmt: skip
+    print(f"{_counts(rows, _length(done), scan)}; {tokens} tokens in {seconds:.2f}s ({tokens / seconds:.0f} "
+          f"tokens/s) on Ray Data ({workers} workers) -> {args.output_dir}", file=sys.stderr)  # fmt: skip
 
 
 def _load_kwargs(args) -> dict:

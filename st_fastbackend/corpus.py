@@ -16,11 +16,13 @@ from tqdm.auto import tqdm
 from st_fastbackend.corpus_io import Columns, CorpusError, InputScan, in_shards, read_batches, still_to_embed
 from st_fastbackend.corpus_output import OutputFolder, new_run_name
 from st_fastbackend.embedder import Embedder
+from st_fastbackend.modules.tokenizer import NoTokensError
 
 
 class TextEmbedder:
     """Texts -> float32 embeddings [n, dim] as the model's encode() gives them (its prompt, its packing), and
-    the tokens they took. The token budget learned from running out of memory is kept from call to call."""
+    each text's tokens (its prompt's included). The token budget learned from running out of memory is kept
+    from call to call. A text without any token raises NoTokensError (its position)."""
 
     def __init__(self, model, *, prompt: str | None = None, prompt_name: str | None = None, batch_size: int = 32,
                  max_tokens_per_batch: int | None = None, normalize_embeddings: bool = False) -> None:  # fmt: skip
@@ -32,7 +34,7 @@ class TextEmbedder:
         self.max_tokens = max_tokens_per_batch or model.max_tokens_per_batch
 
     @torch.inference_mode()
-    def __call__(self, texts: list[str]) -> tuple[np.ndarray, int]:
+    def __call__(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         sequences = self.embedder.tokenize(texts, self.prompt)
         rows = np.empty((len(texts), self.dimension), np.float32)
         schedule = self.embedder.schedule(self.prompt, self.batch_size, self.max_tokens)
@@ -42,7 +44,7 @@ class TextEmbedder:
                 embeddings = torch.nn.functional.normalize(embeddings, p=2, dim=1)
             rows[picked] = embeddings.cpu().numpy()
         self.max_tokens = schedule.max_tokens
-        return rows, sum(len(ids) for ids in sequences)
+        return rows, np.array([len(ids) for ids in sequences], np.int64)
 
 
 def pending_rows(scan: InputScan, columns: Columns, done: pa.Array | None) -> Iterator[pa.RecordBatch]:
@@ -83,11 +85,14 @@ def run_local(scan: InputScan, folder: OutputFolder, done: pa.Array | None, embe
             texts = shard.column(columns.text).to_pylist()
             try:
                 rows, tokens = embed(texts)
-            except ValueError as error:  # an input without any token
-                raise CorpusError(f"a row of shard {progress.shards} cannot be embedded: {error}") from error
+            except NoTokensError as error:
+                row_id = shard.column(columns.id)[error.index].as_py()
+                text = texts[error.index][:80]
+                raise CorpusError(f"the row with {columns.id} {row_id!r} cannot be embedded: its text {text!r} "
+                                  "has no tokens; this shard was not written") from error  # fmt: skip
             folder.write_shard(f"part-{run}-00000-{progress.shards:05d}.parquet", shard.column(columns.id), rows)
             progress.rows += len(texts)
-            progress.tokens += tokens
+            progress.tokens += int(tokens.sum())
             progress.shards += 1
             bar.update(len(texts))
             bar.set_postfix_str(f"{progress.tokens_per_second():,.0f} tokens/s", refresh=False)

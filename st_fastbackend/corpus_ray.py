@@ -11,6 +11,7 @@ from collections.abc import Iterable
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
 import ray.data
@@ -53,41 +54,51 @@ def read_dataset(scan: InputScan, columns: Columns) -> ray.data.Dataset:
     return parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
 
 
+TOKENS = "__st_fastbackend_tokens"  # each row's token count, from the actors to the sink (not written)
+
+
 class ShardSink(Datasink):
-    """Each write task cuts what it receives into shards of `shard_rows` rows, written whole or not at all."""
+    """Each write task cuts what it receives into shards of `shard_rows` rows, written whole or not at all, and
+    returns the rows and tokens it wrote; `tokens`: their sum, once the job is done."""
 
     def __init__(self, folder: OutputFolder, run: str, shard_rows: int) -> None:
         self.folder, self.run, self.shard_rows = folder, run, shard_rows
+        self.tokens = 0
 
     @property
     def min_rows_per_write(self) -> int:
         return self.shard_rows
 
-    def write(self, blocks: Iterable, ctx) -> int:
+    def write(self, blocks: Iterable, ctx) -> tuple[int, int]:
         tables = (BlockAccessor.for_block(block).to_arrow() for block in blocks)
         batches = (batch for table in tables for batch in table.to_batches())
-        written = 0
+        written = tokens = 0
         for index, shard in enumerate(in_shards(batches, self.shard_rows)):
+            tokens += pc.sum(shard.column(TOKENS)).as_py() or 0
             embedding = shard.column("embedding").combine_chunks()
             rows = np.asarray(embedding.flatten()).reshape(len(shard), embedding.type.list_size)
             name = f"part-{self.run}-{ctx.task_idx:05d}-{index:05d}.parquet"
             self.folder.write_shard(name, shard.column(self.folder.spec.id_column), rows)
             written += len(shard)
-        return written
+        return written, tokens
+
+    def on_write_complete(self, write_result) -> None:
+        self.tokens = sum(tokens for _, tokens in write_result.write_returns)
 
 
 def run_ray(scan: InputScan, folder: OutputFolder, done: pa.Array | None, model: str, options: dict,
-            shard_rows: int) -> tuple[int, float]:  # fmt: skip
-    """Rows embedded by this run and the seconds it took; `done`: from folder.prepare(); options: embed_dataset's
-    keywords."""
+            shard_rows: int) -> tuple[int, int, float]:  # fmt: skip
+    """Rows and tokens embedded by this run and the seconds it took; `done`: from folder.prepare(); options:
+    embed_dataset's keywords."""
     columns = Columns(folder.spec.id_column, folder.spec.text_column)
     start = time.perf_counter()
     ds = read_dataset(scan, columns)
     ds = ds.map_batches(still_to_embed, batch_format="pyarrow", fn_kwargs=dict(columns=columns, done=done))
-    ds = embed_dataset(ds, model, text_column=columns.text, **options)
-    ds.write_datasink(ShardSink(folder, new_run_name(), shard_rows))
+    ds = embed_dataset(ds, model, text_column=columns.text, token_column=TOKENS, **options)
+    sink = ShardSink(folder, new_run_name(), shard_rows)
+    ds.write_datasink(sink)
     rows = sum(pq.read_metadata(shard).num_rows for shard in folder.shards())
-    return rows - (0 if done is None else len(done)), time.perf_counter() - start
+    return rows - (0 if done is None else len(done)), sink.tokens, time.perf_counter() - start
 
 
 def shard_dimension(folder: OutputFolder) -> int | None:

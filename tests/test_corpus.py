@@ -17,6 +17,7 @@ from helpers import TOLERANCE
 
 from st_fastbackend import SentenceTransformer
 from st_fastbackend.cli import main
+from st_fastbackend.modules.tokenizer import TextTokenizer
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +134,22 @@ def test_a_bad_row_stops_the_job_naming_its_id_and_file(folder, texts, tmp_path,
     assert exit_.value.code == 2
     assert f"row id='doc-7' of {tmp_path / name} (row 7): {reason}" in error and "--skip-invalid" in error
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())  # nothing written
+
+
+def test_a_text_without_tokens_stops_the_job_naming_its_id(folder, texts, tmp_path, capsys, monkeypatch):
+    """A tokenizer that adds no special token gives "" no token at all: found only when its shard is tokenized,
+    the error names the row's id; the shards before it stay complete, its own is not written."""
+    real = TextTokenizer._token_ids
+    monkeypatch.setattr(TextTokenizer, "_token_ids", lambda self, batch, max_length: [
+        ids if text else [] for text, ids in zip(batch, real(self, batch, max_length), strict=True)])  # fmt: skip
+    ids = [f"doc-{i}" for i in range(12)]
+    write_parquet(tmp_path / "in.parquet", ids, [*texts[1:8], "", *texts[9:13]])  # texts[0] is "" too
+    with pytest.raises(SystemExit) as exit_:
+        embed_corpus(tmp_path / "in.parquet", tmp_path / "out", "--model", folder, "--shard-rows", 3)
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_.value.code == 2 and "the row with id 'doc-7' cannot be embedded: its text '' has no tokens" in error
+    assert sorted(read_output(tmp_path / "out")[0]) == ids[:6]
+    assert not (tmp_path / "out" / "manifest.json").exists()
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS)

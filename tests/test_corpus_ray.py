@@ -3,6 +3,7 @@ the local job began with what model.encode gives, and embed_dataset adds an `emb
 
 import numpy as np
 import pytest
+import torch
 from corpus_files import by_id, manifest, read_output, write_jsonl
 from helpers import TOLERANCE
 
@@ -30,9 +31,9 @@ def expected(folder, texts):
     return SentenceTransformer(str(folder), backend="fast", device="cpu").encode(texts)
 
 
-def test_ray_cli_resumes_what_the_local_job_began(folder, texts, expected, tmp_path):
+def test_ray_cli_resumes_what_the_local_job_began(folder, texts, expected, tmp_path, capsys):
     """Shards are the same on both paths: a local run loses a shard, `--ray` adds only its rows, each equal to
-    model.encode's, and writes the manifest."""
+    model.encode's, writes the manifest, and counts the tokens it embedded."""
     ids = [f"doc-{i}" for i in range(len(texts))]
     write_jsonl(tmp_path / "in.jsonl", ids, texts)
     arguments = ["embed-corpus", str(tmp_path / "in.jsonl"), str(tmp_path / "out"), "--model", str(folder)]
@@ -40,7 +41,11 @@ def test_ray_cli_resumes_what_the_local_job_began(folder, texts, expected, tmp_p
     lost = sorted((tmp_path / "out").glob("part-*.parquet"))[2]
     lost.unlink()
     (tmp_path / "out" / "manifest.json").unlink()
+    capsys.readouterr()
     main([*arguments, "--ray", "--num-workers", "1", "--shard-rows", "10"])
+    tokens = sum(map(len, SentenceTransformer(str(folder), backend="fast")[0].texts.encode(texts[20:30])))
+    assert f"10 rows embedded (30 done before, 0 rejected, {len(texts)} in the input); {tokens} tokens in " in (
+        capsys.readouterr().err)  # fmt: skip
     got = by_id(*read_output(tmp_path / "out"))  # no id twice
     assert sorted(got) == sorted(ids) and len(list((tmp_path / "out").glob("part-*.parquet"))) == 4
     assert max(np.abs(got[row_id] - expected[i]).max() for i, row_id in enumerate(ids)) < TOLERANCE
@@ -52,8 +57,24 @@ def test_embed_dataset_adds_an_embedding_column(folder, texts, expected):
     from st_fastbackend.integrations.ray import embed_dataset
 
     ds = ray.data.from_items([{"key": i, "body": text} for i, text in enumerate(texts)])
-    rows = embed_dataset(ds, str(folder), text_column="body", num_workers=1, batch_size=8).take_all()
+    rows = embed_dataset(ds, str(folder), text_column="body", num_workers=1, batch_size=8, token_column="n").take_all()
     assert sorted(row["key"] for row in rows) == list(range(len(texts)))
     assert max(np.abs(np.asarray(row["embedding"]) - expected[row["key"]]).max() for row in rows) < TOLERANCE
+    lengths = list(map(len, SentenceTransformer(str(folder), backend="fast")[0].texts.encode(texts)))
+    assert [row["n"] for row in sorted(rows, key=lambda row: row["key"])] == lengths
     with pytest.raises(TypeError, match="does not take precision"):
         embed_dataset(ds, str(folder), precision="int8")
+
+
+def test_the_actor_sets_the_matmul_precision(folder):
+    """A process-wide PyTorch setting: the actor sets it in its own process (here, this one), as --matmul-precision
+    does for the local job."""
+    from st_fastbackend.integrations.ray import EmbedBatches
+
+    before = torch.get_float32_matmul_precision()
+    try:
+        EmbedBatches(model=str(folder), load_kwargs={}, text_column="text", threads=None, matmul_precision="medium",
+                     token_column=None, encode_kwargs={})  # fmt: skip
+        assert torch.get_float32_matmul_precision() == "medium"
+    finally:
+        torch.set_float32_matmul_precision(before)

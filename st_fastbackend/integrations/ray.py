@@ -24,6 +24,7 @@ class EmbedBatches:
     """The Ray Data actor: loads the model once, then embeds one batch (a pyarrow Table) per call."""
 
     def __init__(self, model: str, load_kwargs: dict[str, Any], text_column: str, threads: int | None,
+                 matmul_precision: str | None, token_column: str | None,
                  encode_kwargs: dict[str, Any]) -> None:  # fmt: skip
         import torch
 
@@ -32,13 +33,15 @@ class EmbedBatches:
 
         if threads:  # Ray sets OMP_NUM_THREADS from the actor's CPUs; said here, not left to the environment
             torch.set_num_threads(threads)
+        if matmul_precision:  # a process-wide setting: each worker process sets its own
+            torch.set_float32_matmul_precision(matmul_precision)
         load_kwargs = dict(load_kwargs)
         max_seq_length = load_kwargs.pop("max_seq_length", None)  # an attribute, not a constructor argument
         loaded = SentenceTransformer(model, backend="fast", **load_kwargs)
         if max_seq_length:
             loaded.max_seq_length = max_seq_length
         self.embed = TextEmbedder(loaded, **encode_kwargs)
-        self.text_column = text_column
+        self.text_column, self.token_column = text_column, token_column
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         import pyarrow.compute as pc
@@ -49,9 +52,10 @@ class EmbedBatches:
         if pc.any(invalid).as_py():
             first = pc.index(invalid, True).as_py()
             raise ValueError(f"row {first} of a batch of {len(batch)} cannot be embedded: {reason}")
-        rows, _ = self.embed(batch.column(self.text_column).to_pylist())
+        rows, tokens = self.embed(batch.column(self.text_column).to_pylist())
         embedding = pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1)), rows.shape[1])
-        return batch.append_column("embedding", embedding)
+        batch = batch.append_column("embedding", embedding)
+        return batch.append_column(self.token_column, pa.array(tokens)) if self.token_column else batch
 
 
 def embed_dataset(
@@ -63,6 +67,8 @@ def embed_dataset(
     gpus_per_worker: float = 0,
     cpus_per_worker: float = 1,
     load_kwargs: dict[str, Any] | None = None,
+    matmul_precision: str | None = None,
+    token_column: str | None = None,
     rows_per_call: int = ROWS_PER_CALL,
     **encode_kwargs,
 ):
@@ -71,9 +77,10 @@ def embed_dataset(
     model: a folder every worker can read, or a Hub id. num_workers: a fixed pool of that many actors; None, a
     pool Ray grows from one as resources allow. Each actor holds `gpus_per_worker` GPUs (the model then loads
     on CUDA) and `cpus_per_worker` CPUs (PyTorch's thread count). load_kwargs: for SentenceTransformer(...),
-    e.g. {"model_kwargs": {"dtype": torch.bfloat16}}, and max_seq_length. encode_kwargs: prompt, prompt_name,
-    batch_size, max_tokens_per_batch, normalize_embeddings. A null or non-string text fails the job (filter
-    such rows first)."""
+    e.g. {"model_kwargs": {"dtype": torch.bfloat16}}, and max_seq_length. matmul_precision: each worker's
+    torch.set_float32_matmul_precision. token_column: also a column of each row's token count (prompt
+    included). encode_kwargs: prompt, prompt_name, batch_size, max_tokens_per_batch, normalize_embeddings. A
+    null or non-string text fails the job (filter such rows first)."""
     import ray.data
 
     unknown = sorted(set(encode_kwargs) - set(ENCODE_OPTIONS))
@@ -86,6 +93,9 @@ def embed_dataset(
         load_kwargs.setdefault("device", "cuda")
     pool = ray.data.ActorPoolStrategy(size=num_workers) if num_workers else ray.data.ActorPoolStrategy(min_size=1)
     threads = max(1, int(cpus_per_worker)) if not gpus_per_worker else None
+    actor = dict(model=model, load_kwargs=load_kwargs, text_column=text_column, threads=threads,
+                 matmul_precision=matmul_precision, token_column=token_column,
+                 encode_kwargs=encode_kwargs)  # fmt: skip
     return ds.map_batches(
         EmbedBatches,
         batch_format="pyarrow",
@@ -93,7 +103,5 @@ def embed_dataset(
         compute=pool,
         num_cpus=cpus_per_worker,
         num_gpus=gpus_per_worker or None,
-        fn_constructor_kwargs=dict(
-            model=model, load_kwargs=load_kwargs, text_column=text_column, threads=threads, encode_kwargs=encode_kwargs
-        ),  # fmt: skip
+        fn_constructor_kwargs=actor,
     )

@@ -116,6 +116,15 @@ def tokenizer_config(folder: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+class NoTokensError(ValueError):
+    """A text that gives no token at all (possible where the tokenizer adds no special token): `index` is its
+    position in the texts given."""
+
+    def __init__(self, index: int, text: str) -> None:
+        super().__init__(f"Input {index} ({text[:80]!r}) has no tokens; there is nothing to embed.")
+        self.index = index
+
+
 class TextTokenizer:
     """Texts -> token ids as the model expects them: the prompt first, BOS/EOS as tokenizer_config.json
     asks, truncated to `max_length` (default max_seq_length, the tokenizer's model_max_length), no padding.
@@ -133,9 +142,7 @@ class TextTokenizer:
         sequences = self._token_ids([prompt + text for text in texts] if prompt else texts, max_length)
         for index, ids in enumerate(sequences):
             if not ids:
-                raise ValueError(
-                    f"Input {first_index + index} ({texts[index][:80]!r}) has no tokens; there is nothing to embed."
-                )
+                raise NoTokensError(first_index + index, texts[index])
         return sequences
 
     def count(self, text: str, prompt: str | None, max_length: int) -> int:
