@@ -24,6 +24,11 @@ class Embedder:
         self.normalizes: bool = any(isinstance(module, Normalize) for module in model)
         self.device: torch.device = model.device
 
+    def compiles_seams(self) -> bool:
+        """Whether packs of engine/fused.py's MIN_TOKENS tokens or more run compiled layer seams (compiled at the
+        first such pack)."""
+        return self._model[0].runtime.fused
+
     def resolve_prompt(self, prompt: str | None, prompt_name: str | None) -> str | None:
         """As encode() resolves it: `prompt`, else the model's prompt named `prompt_name`, else the model's
         default prompt; None for none. ValueError for an unknown name."""

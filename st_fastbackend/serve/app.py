@@ -50,10 +50,11 @@ def _lifespan(served: Served):
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         served.batcher.start()
-        # Copies of a short text adding up to a pack the compiled layer seams run for (engine/fused.py), in
-        # one batch where --max-batch-size allows: where they are on, they compile here, not in the first request.
+        # A short text; where the layer seams are compiled (engine/fused.py), copies of it adding up to a pack
+        # they run for, in one batch where --max-batch-size allows: they compile here, not in the first request.
         ids = await served.tokenizer(["warm up"], None, None, truncate=True)
-        ids = ids * -(-MIN_TOKENS // len(ids[0]))
+        if served.embedder.compiles_seams():
+            ids = ids * -(-MIN_TOKENS // len(ids[0]))
         await asyncio.wrap_future(served.batcher.submit(Job(token_ids=ids, prompt=None)))
         served.ready = True
         yield
