@@ -12,26 +12,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
-from bench import DEFAULT_DATA_DIR, seam_systems, workloads
-
-
-def latencies(systems: dict, texts: list[str], calls: int) -> dict[str, list[float]]:
-    """Milliseconds per encode(texts) call for each system, calls interleaved (after 5 untimed ones each)."""
-    for model in systems.values():
-        for _ in range(5):
-            model.encode(texts, batch_size=len(texts))
-    times: dict[str, list[float]] = {name: [] for name in systems}
-    for _ in range(calls):
-        for name, model in systems.items():
-            start = time.perf_counter()
-            model.encode(texts, batch_size=len(texts))
-            times[name].append((time.perf_counter() - start) * 1e3)
-    return times
+from bench import DEFAULT_DATA_DIR, run_case, seam_systems, workloads
 
 
 def main() -> None:
@@ -49,7 +34,8 @@ def main() -> None:
         for size in args.sizes:
             texts = sentences[:size]
             tokens = sum(map(len, systems["fast"][0].texts.encode(texts)))
-            times = latencies(systems, texts, args.calls)
+            results = run_case(systems, texts, len(texts), args.calls, "cpu")  # calls alternating, after warm-ups
+            times = {system: [seconds * 1e3 for seconds in result["times"]] for system, result in results.items()}
             plain = statistics.median(times["plain"])
             cells = [f"{system} {statistics.median(ms):.2f} ms (p90 {np.percentile(ms, 90):.2f}, "
                      f"{plain / statistics.median(ms):.2f}x plain)" for system, ms in times.items()]  # fmt: skip

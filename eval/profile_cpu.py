@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench import DEFAULT_DATA_DIR, seam_systems, workloads
+from bench import DEFAULT_DATA_DIR, run_case, seam_systems, workloads
 from torch.profiler import ProfilerActivity, profile
 
 GROUPS = ("matrix products", "attention", "compiled seams", "other operators", "outside operators")
@@ -53,17 +53,6 @@ def profiled(model, texts: list[str], batch_size: int) -> dict[str, float]:
     return seconds
 
 
-def timed(systems: dict, texts: list[str], batch_size: int, rounds: int) -> dict[str, float]:
-    """Median seconds per encode() for each system, rounds alternating."""
-    times: dict[str, list[float]] = {name: [] for name in systems}
-    for _ in range(rounds):
-        for name, model in systems.items():
-            start = time.perf_counter()
-            model.encode(texts, batch_size=batch_size)
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(seconds) for name, seconds in times.items()}
-
-
 def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -83,7 +72,8 @@ def main() -> None:
         for row in (*GROUPS, "wall"):
             cells = [f"{table[s][row]:8.2f} ({table[s][row] / table[s]['wall']:4.0%})" for s in systems]
             print(f"{row:<20}" + "".join(f"{cell:>24}" for cell in cells))
-        unprofiled = timed(systems, texts, args.batch_size, 3)
+        rounds = run_case(systems, texts, args.batch_size, 3, "cpu")
+        unprofiled = {system: statistics.median(result["times"]) for system, result in rounds.items()}
         print("without the profiler (median of 3, alternating): " + ", ".join(
             f"{system} {seconds:.2f} s ({unprofiled['plain'] / seconds:.2f}x plain)"
             for system, seconds in unprofiled.items()))  # fmt: skip
