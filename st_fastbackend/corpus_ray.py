@@ -94,7 +94,7 @@ def run_ray(scan: InputScan, folder: OutputFolder, done: pa.Array | None, model:
     start = time.perf_counter()
     ds = read_dataset(scan, columns)
     ds = ds.map_batches(still_to_embed, batch_format="pyarrow", fn_kwargs=dict(columns=columns, done=done))
-    ds = embed_dataset(ds, model, text_column=columns.text, token_column=TOKENS, **options)
+    ds = embed_dataset(ds, model, text_column=columns.text, token_column=TOKENS, id_column=columns.id, **options)
     sink = ShardSink(folder, new_run_name(), shard_rows)
     ds.write_datasink(sink)
     rows = sum(pq.read_metadata(shard).num_rows for shard in folder.shards())

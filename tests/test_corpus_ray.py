@@ -2,6 +2,7 @@
 the local job began with what model.encode gives, and embed_dataset adds an `embedding` column."""
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 from corpus_files import by_id, manifest, read_output, write_jsonl
@@ -64,6 +65,14 @@ def test_embed_dataset_adds_an_embedding_column(folder, texts, expected):
     assert [row["n"] for row in sorted(rows, key=lambda row: row["key"])] == lengths
     with pytest.raises(TypeError, match="does not take precision"):
         embed_dataset(ds, str(folder), precision="int8")
+    bad = ray.data.from_items([{"key": "a", "body": texts[1]}, {"key": "b", "body": None}])
+    with pytest.raises(Exception, match="the row with key 'b' cannot be embedded: its text is null"):
+        embed_dataset(bad, str(folder), text_column="body", id_column="key", num_workers=1).take_all()
+
+
+def actor_options(folder, **options) -> dict:
+    return dict(model=str(folder), load_kwargs={}, text_column="text", threads=None, matmul_precision=None,
+                token_column=None, id_column=None, encode_kwargs={}) | options  # fmt: skip
 
 
 def test_the_actor_sets_the_matmul_precision(folder):
@@ -73,8 +82,37 @@ def test_the_actor_sets_the_matmul_precision(folder):
 
     before = torch.get_float32_matmul_precision()
     try:
-        EmbedBatches(model=str(folder), load_kwargs={}, text_column="text", threads=None, matmul_precision="medium",
-                     token_column=None, encode_kwargs={})  # fmt: skip
+        EmbedBatches(**actor_options(folder, matmul_precision="medium"))
         assert torch.get_float32_matmul_precision() == "medium"
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def test_the_actor_names_a_row_it_cannot_embed_by_its_id(folder, texts, monkeypatch):
+    """A null text, or one without any token (a tokenizer that adds no special token), is named by its id where
+    the actor is told the id column (the corpus job tells it), else by its place in the batch."""
+    from st_fastbackend.integrations.ray import EmbedBatches
+    from st_fastbackend.modules.tokenizer import TextTokenizer
+
+    real = TextTokenizer._token_ids
+    monkeypatch.setattr(TextTokenizer, "_token_ids", lambda self, batch, max_length: [
+        ids if text else [] for text, ids in zip(batch, real(self, batch, max_length), strict=True)])  # fmt: skip
+    actor = EmbedBatches(**actor_options(folder, id_column="key"))
+    batch = pa.table({"key": ["a", "b", "c"], "text": [texts[1], "", texts[2]]})
+    with pytest.raises(ValueError, match="^the row with key 'b' cannot be embedded: its text '' has no tokens$"):
+        actor(batch)
+    with pytest.raises(ValueError, match="^the row with key 'c' cannot be embedded: its text is null$"):
+        actor(pa.table({"key": ["a", "c"], "text": [texts[1], None]}))
+    actor.id_column = None
+    with pytest.raises(ValueError, match="^row 1 of a batch of 3 cannot be embedded: its text '' has no tokens$"):
+        actor(batch)
+
+
+def test_the_actor_refuses_a_column_it_would_add(folder, texts):
+    from st_fastbackend.integrations.ray import EmbedBatches
+
+    actor = EmbedBatches(**actor_options(folder, token_column="n"))
+    for taken in ("embedding", "n"):
+        with pytest.raises(ValueError, match=f"already has a column '{taken}', which embed_dataset adds"):
+            actor(pa.table({"text": texts[1:3], taken: [0, 0]}))
+    assert actor(pa.table({"text": texts[1:3]})).column_names == ["text", "embedding", "n"]

@@ -24,7 +24,7 @@ class EmbedBatches:
     """The Ray Data actor: loads the model once, then embeds one batch (a pyarrow Table) per call."""
 
     def __init__(self, model: str, load_kwargs: dict[str, Any], text_column: str, threads: int | None,
-                 matmul_precision: str | None, token_column: str | None,
+                 matmul_precision: str | None, token_column: str | None, id_column: str | None,
                  encode_kwargs: dict[str, Any]) -> None:  # fmt: skip
         import torch
 
@@ -41,21 +41,37 @@ class EmbedBatches:
         if max_seq_length:
             loaded.max_seq_length = max_seq_length
         self.embed = TextEmbedder(loaded, **encode_kwargs)
-        self.text_column, self.token_column = text_column, token_column
+        self.text_column, self.token_column, self.id_column = text_column, token_column, id_column
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         import pyarrow.compute as pc
 
         from st_fastbackend.corpus_io import invalid_rows
+        from st_fastbackend.modules.tokenizer import NoTokensError
 
+        for added in ("embedding", self.token_column):
+            if added and added in batch.column_names:
+                raise ValueError(f"the dataset already has a column {added!r}, which embed_dataset adds: rename "
+                                 "or drop it first (or choose another token_column)")  # fmt: skip
         invalid, reason = invalid_rows(batch, self.text_column)
         if pc.any(invalid).as_py():
-            first = pc.index(invalid, True).as_py()
-            raise ValueError(f"row {first} of a batch of {len(batch)} cannot be embedded: {reason}")
-        rows, tokens = self.embed(batch.column(self.text_column).to_pylist())
+            raise ValueError(f"{self._row(batch, pc.index(invalid, True).as_py())} cannot be embedded: {reason}")
+        texts = batch.column(self.text_column).to_pylist()
+        try:
+            rows, tokens = self.embed(texts)
+        except NoTokensError as error:
+            text = texts[error.index][:80]
+            raise ValueError(f"{self._row(batch, error.index)} cannot be embedded: its text {text!r} has no "
+                             "tokens") from error  # fmt: skip
         embedding = pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1)), rows.shape[1])
         batch = batch.append_column("embedding", embedding)
         return batch.append_column(self.token_column, pa.array(tokens)) if self.token_column else batch
+
+    def _row(self, batch: pa.Table, index: int) -> str:
+        """The row an error is about: by its id where the id column is known, else by its place in the batch."""
+        if self.id_column:
+            return f"the row with {self.id_column} {batch.column(self.id_column)[index].as_py()!r}"
+        return f"row {index} of a batch of {len(batch)}"
 
 
 def embed_dataset(
@@ -69,6 +85,7 @@ def embed_dataset(
     load_kwargs: dict[str, Any] | None = None,
     matmul_precision: str | None = None,
     token_column: str | None = None,
+    id_column: str | None = None,
     rows_per_call: int = ROWS_PER_CALL,
     **encode_kwargs,
 ):
@@ -79,8 +96,9 @@ def embed_dataset(
     on CUDA) and `cpus_per_worker` CPUs (PyTorch's thread count). load_kwargs: for SentenceTransformer(...),
     e.g. {"model_kwargs": {"dtype": torch.bfloat16}}, and max_seq_length. matmul_precision: each worker's
     torch.set_float32_matmul_precision. token_column: also a column of each row's token count (prompt
-    included). encode_kwargs: prompt, prompt_name, batch_size, max_tokens_per_batch, normalize_embeddings. A
-    null or non-string text fails the job (filter such rows first)."""
+    included). id_column: errors name a row by its id (else by its place in a batch). encode_kwargs: prompt,
+    prompt_name, batch_size, max_tokens_per_batch, normalize_embeddings. A null or non-string text, a text
+    without any token, or a dataset that already has the `embedding` or token column fails the job."""
     import ray.data
 
     unknown = sorted(set(encode_kwargs) - set(ENCODE_OPTIONS))
@@ -95,7 +113,7 @@ def embed_dataset(
     threads = max(1, int(cpus_per_worker)) if not gpus_per_worker else None
     actor = dict(model=model, load_kwargs=load_kwargs, text_column=text_column, threads=threads,
                  matmul_precision=matmul_precision, token_column=token_column,
-                 encode_kwargs=encode_kwargs)  # fmt: skip
+                 id_column=id_column, encode_kwargs=encode_kwargs)  # fmt: skip
     return ds.map_batches(
         EmbedBatches,
         batch_format="pyarrow",
