@@ -101,6 +101,7 @@ def _run_local(args, scan, folder, done) -> None:
 
 def _run_ray(args, scan, folder, done) -> None:
     import ray
+    import ray.data
 
     from st_fastbackend.corpus_ray import local_cpus, run_ray, shard_dimension, start_ray
 
@@ -112,12 +113,17 @@ def _run_ray(args, scan, folder, done) -> None:
                    load_kwargs=_load_kwargs(args), matmul_precision=args.matmul_precision, prompt=args.prompt,
                    prompt_name=args.prompt_name, batch_size=args.batch_size,
                    max_tokens_per_batch=args.max_tokens_per_batch)  # fmt: skip
+    context = ray.data.DataContext.get_current()
+    wrapped = context.raise_original_map_exception
+    context.raise_original_map_exception = True  # a worker's error arrives as it raised it, under Ray's `cause`
     try:
         rows, tokens, seconds = run_ray(scan, folder, done, args.model, options, args.shard_rows)
-    except Exception as error:  # a worker's failure arrives wrapped by Ray; one line, --debug shows it whole
+    except Exception as error:  # one line (the worker's own error where there is one); --debug shows it whole
         if args.debug:
             raise
-        raise CliError(f"the Ray job failed: {_first_line(error)}") from error
+        raise CliError(f"the Ray job failed: {_first_line(getattr(error, 'cause', None) or error)}") from error
+    finally:
+        context.raise_original_map_exception = wrapped
     folder.finish(scan, shard_dimension(folder), args.prompt)
     print(f"{_counts(rows, _length(done), scan)}; {tokens} tokens in {seconds:.2f}s ({tokens / seconds:.0f} "
           f"tokens/s) on Ray Data ({workers} workers) -> {args.output_dir}", file=sys.stderr)  # fmt: skip

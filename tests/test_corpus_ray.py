@@ -1,6 +1,9 @@
 """Ray Data, on a local Ray cluster of 2 CPUs started once for the module: `embed-corpus --ray` resumes a folder
 the local job began with what model.encode gives, and embed_dataset adds an `embedding` column."""
 
+import json
+import shutil
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -52,6 +55,21 @@ def test_ray_cli_resumes_what_the_local_job_began(folder, texts, expected, tmp_p
     assert max(np.abs(got[row_id] - expected[i]).max() for i, row_id in enumerate(ids)) < TOLERANCE
     written = manifest(tmp_path / "out")
     assert written["rows"]["embedded"] == len(texts) and written["dimension"] == expected.shape[1]
+
+
+def test_ray_cli_names_a_text_without_tokens_by_its_id(folder, texts, tmp_path, capsys):
+    """Without a special token "" has no token at all, found only by an actor: the one-line error names the row's
+    id (the actor's own error, not Ray's wrapper)."""
+    model = shutil.copytree(folder, tmp_path / "model")
+    for path in model.rglob("tokenizer.json"):  # the tokenizer adds no special token
+        path.write_text(json.dumps(json.loads(path.read_text()) | {"post_processor": None}))
+    write_jsonl(tmp_path / "in.jsonl", [f"doc-{i}" for i in range(4)], [texts[1], texts[2], "", texts[3]])
+    with pytest.raises(SystemExit) as exit_:
+        main(["embed-corpus", str(tmp_path / "in.jsonl"), str(tmp_path / "out"), "--model", str(model), "--ray"])
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_.value.code == 2
+    assert "Ray job failed: ValueError: the row with id 'doc-2' cannot be embedded: its text '' has no tokens" in error
+    assert not ray.data.DataContext.get_current().raise_original_map_exception  # put back as it was
 
 
 def test_embed_dataset_adds_an_embedding_column(folder, texts, expected):
@@ -116,3 +134,6 @@ def test_the_actor_refuses_a_column_it_would_add(folder, texts):
         with pytest.raises(ValueError, match=f"already has a column '{taken}', which embed_dataset adds"):
             actor(pa.table({"text": texts[1:3], taken: [0, 0]}))
     assert actor(pa.table({"text": texts[1:3]})).column_names == ["text", "embedding", "n"]
+    actor.id_column = "key"
+    with pytest.raises(ValueError, match="id_column='key'\\): the dataset has no such column"):
+        actor(pa.table({"text": texts[1:3]}))

@@ -49,10 +49,13 @@ class EmbedBatches:
         from st_fastbackend.corpus_io import invalid_rows
         from st_fastbackend.modules.tokenizer import NoTokensError
 
+        if self.id_column and self.id_column not in batch.column_names:
+            raise ValueError(f"embed_dataset(id_column={self.id_column!r}): the dataset has no such column")
         for added in ("embedding", self.token_column):
             if added and added in batch.column_names:
+                other = " (or pass another token_column)" if added == self.token_column else ""
                 raise ValueError(f"the dataset already has a column {added!r}, which embed_dataset adds: rename "
-                                 "or drop it first (or choose another token_column)")  # fmt: skip
+                                 f"or drop it first{other}")  # fmt: skip
         invalid, reason = invalid_rows(batch, self.text_column)
         if pc.any(invalid).as_py():
             raise ValueError(f"{self._row(batch, pc.index(invalid, True).as_py())} cannot be embedded: {reason}")
