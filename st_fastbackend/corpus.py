@@ -86,10 +86,8 @@ def run_local(scan: InputScan, folder: OutputFolder, done: pa.Array | None, embe
             try:
                 rows, tokens = embed(texts)
             except NoTokensError as error:
-                row_id = shard.column(columns.id)[error.index].as_py()
-                text = texts[error.index][:80]
-                raise CorpusError(f"the row with {columns.id} {row_id!r} cannot be embedded: its text {text!r} "
-                                  "has no tokens; this shard was not written") from error  # fmt: skip
+                row = f"the row with {columns.id} {shard.column(columns.id)[error.index].as_py()!r}"
+                raise CorpusError(f"{error.about(row)}; this shard was not written") from error
             folder.write_shard(f"part-{run}-00000-{progress.shards:05d}.parquet", shard.column(columns.id), rows)
             progress.rows += len(texts)
             progress.tokens += int(tokens.sum())

@@ -11,6 +11,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 
+def empty_texts_without_tokens(monkeypatch) -> None:
+    """As a tokenizer that adds no special token: "" gives no token at all (in this process only)."""
+    from st_fastbackend.modules.tokenizer import TextTokenizer
+
+    real = TextTokenizer._token_ids
+    monkeypatch.setattr(TextTokenizer, "_token_ids", lambda self, batch, max_length: [
+        ids if text else [] for text, ids in zip(batch, real(self, batch, max_length), strict=True)])  # fmt: skip
+
+
 def write_parquet(path: Path, ids: list, texts: list) -> Path:
     pq.write_table(pa.table({"id": ids, "text": pa.array(texts, pa.string()), "other": list(range(len(ids)))}), path)
     return path

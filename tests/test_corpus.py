@@ -12,12 +12,19 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from corpus_files import by_id, manifest, read_output, write_csv, write_jsonl, write_parquet
+from corpus_files import (
+    by_id,
+    empty_texts_without_tokens,
+    manifest,
+    read_output,
+    write_csv,
+    write_jsonl,
+    write_parquet,
+)
 from helpers import TOLERANCE
 
 from st_fastbackend import SentenceTransformer
 from st_fastbackend.cli import main
-from st_fastbackend.modules.tokenizer import TextTokenizer
 
 
 @pytest.fixture(scope="module")
@@ -139,9 +146,7 @@ def test_a_bad_row_stops_the_job_naming_its_id_and_file(folder, texts, tmp_path,
 def test_a_text_without_tokens_stops_the_job_naming_its_id(folder, texts, tmp_path, capsys, monkeypatch):
     """A tokenizer that adds no special token gives "" no token at all: found only when its shard is tokenized,
     the error names the row's id; the shards before it stay complete, its own is not written."""
-    real = TextTokenizer._token_ids
-    monkeypatch.setattr(TextTokenizer, "_token_ids", lambda self, batch, max_length: [
-        ids if text else [] for text, ids in zip(batch, real(self, batch, max_length), strict=True)])  # fmt: skip
+    empty_texts_without_tokens(monkeypatch)
     ids = [f"doc-{i}" for i in range(12)]
     write_parquet(tmp_path / "in.parquet", ids, [*texts[1:8], "", *texts[9:13]])  # texts[0] is "" too
     with pytest.raises(SystemExit) as exit_:

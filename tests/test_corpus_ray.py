@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from corpus_files import by_id, manifest, read_output, write_jsonl
+from corpus_files import by_id, empty_texts_without_tokens, manifest, read_output, write_jsonl
 from helpers import TOLERANCE
 
 from st_fastbackend import SentenceTransformer
@@ -110,11 +110,8 @@ def test_the_actor_names_a_row_it_cannot_embed_by_its_id(folder, texts, monkeypa
     """A null text, or one without any token (a tokenizer that adds no special token), is named by its id where
     the actor is told the id column (the corpus job tells it), else by its place in the batch."""
     from st_fastbackend.integrations.ray import EmbedBatches
-    from st_fastbackend.modules.tokenizer import TextTokenizer
 
-    real = TextTokenizer._token_ids
-    monkeypatch.setattr(TextTokenizer, "_token_ids", lambda self, batch, max_length: [
-        ids if text else [] for text, ids in zip(batch, real(self, batch, max_length), strict=True)])  # fmt: skip
+    empty_texts_without_tokens(monkeypatch)
     actor = EmbedBatches(**actor_options(folder, id_column="key"))
     batch = pa.table({"key": ["a", "b", "c"], "text": [texts[1], "", texts[2]]})
     with pytest.raises(ValueError, match="^the row with key 'b' cannot be embedded: its text '' has no tokens$"):

@@ -59,13 +59,10 @@ class EmbedBatches:
         invalid, reason = invalid_rows(batch, self.text_column)
         if pc.any(invalid).as_py():
             raise ValueError(f"{self._row(batch, pc.index(invalid, True).as_py())} cannot be embedded: {reason}")
-        texts = batch.column(self.text_column).to_pylist()
         try:
-            rows, tokens = self.embed(texts)
+            rows, tokens = self.embed(batch.column(self.text_column).to_pylist())
         except NoTokensError as error:
-            text = texts[error.index][:80]
-            raise ValueError(f"{self._row(batch, error.index)} cannot be embedded: its text {text!r} has no "
-                             "tokens") from error  # fmt: skip
+            raise ValueError(error.about(self._row(batch, error.index))) from error
         embedding = pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1)), rows.shape[1])
         batch = batch.append_column("embedding", embedding)
         return batch.append_column(self.token_column, pa.array(tokens)) if self.token_column else batch

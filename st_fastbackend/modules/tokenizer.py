@@ -122,7 +122,11 @@ class NoTokensError(ValueError):
 
     def __init__(self, index: int, text: str) -> None:
         super().__init__(f"Input {index} ({text[:80]!r}) has no tokens; there is nothing to embed.")
-        self.index = index
+        self.index, self.text = index, text
+
+    def about(self, row: str) -> str:
+        """The corpus jobs' line for it, `row` naming the text's row (by its id, or its place in a batch)."""
+        return f"{row} cannot be embedded: its text {self.text[:80]!r} has no tokens"
 
 
 class TextTokenizer:
