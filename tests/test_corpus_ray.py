@@ -6,6 +6,7 @@ import shutil
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from corpus_files import by_id, empty_texts_without_tokens, manifest, read_output, write_jsonl
@@ -13,6 +14,7 @@ from helpers import TOLERANCE
 
 from st_fastbackend import SentenceTransformer
 from st_fastbackend.cli import main
+from st_fastbackend.integrations.ray import ROWS_PER_CALL
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 
@@ -134,3 +136,31 @@ def test_the_actor_refuses_a_column_it_would_add(folder, texts):
     actor.id_column = "key"
     with pytest.raises(ValueError, match="id_column='key'\\): the dataset has no such column"):
         actor(pa.table({"text": texts[1:3]}))
+
+
+
+def test_the_job_splits_a_single_row_group_for_the_pool(texts, tmp_path):
+    """A file of one row group reads as one block, which one actor would embed whole: the job's dataset reaches
+    the actors in blocks of at most a call's rows, the done rows dropped."""
+    from st_fastbackend.corpus_io import Columns, scan_input
+    from st_fastbackend.corpus_ray import pending_dataset
+
+    rows = 3 * ROWS_PER_CALL + 5
+    pq.write_table(pa.table({"id": list(range(rows)), "text": [texts[i % len(texts)] for i in range(rows)]}),
+                   tmp_path / "in.parquet")  # fmt: skip
+    columns = Columns("id", "text")
+    ds = pending_dataset(scan_input((tmp_path / "in.parquet",), columns, True), columns, done=pa.array([0, 1]))
+    sizes = [len(block) for block in ds.iter_batches(batch_size=None, batch_format="pyarrow")]
+    assert max(sizes) <= ROWS_PER_CALL and sum(sizes) == rows - 2
+
+def test_local_layout_one_single_thread_actor_per_cpu_as_memory_allows(tmp_path):
+    from st_fastbackend.corpus_ray import ACTOR_MEMORY, local_layout
+
+    with open(tmp_path / "model.safetensors", "wb") as weights:
+        weights.truncate(1 << 30)  # each actor: 2 GiB for the weights + ACTOR_MEMORY
+    each = 2 * (1 << 30) + ACTOR_MEMORY
+    assert local_layout(str(tmp_path), None, 8, available=2 * 8 * each) == (8, 1)
+    assert local_layout(str(tmp_path), None, 8, available=2 * 3 * each) == (3, 2)
+    assert local_layout(str(tmp_path), None, 8, available=each) == (1, 8)
+    assert local_layout("org/not-a-folder", None, 8, available=1 << 50) == (1, 8)
+    assert local_layout(str(tmp_path), 4, 8, available=0) == (4, 2)  # given: the CPUs shared out
