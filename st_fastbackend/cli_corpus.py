@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import sys
 import time
 
@@ -50,8 +49,8 @@ def add_embed_corpus(commands, formatter_class) -> None:
     ray.add_argument("--ray", action="store_true", help="run the job as a Ray Data pipeline")
     ray.add_argument("--ray-address", default=None, help="a running cluster; default: start Ray on this machine")
     ray.add_argument("--num-workers", type=_positive, default=None,
-                     help="actors, each with its own model; default: on this machine one per CPU as memory allows, "
-                          "1 on a cluster")  # fmt: skip
+                     help="actors, each with its own model; default: on this machine's CPUs one per --cpus-per-worker "
+                          "(1) as memory allows, else 1")  # fmt: skip
     ray.add_argument("--gpus-per-worker", type=float, default=0, help="GPUs per actor")
     ray.add_argument("--cpus-per-worker", type=float, default=None,
                      help="CPUs (torch threads) per actor; default: this host's split, 1 on a cluster")  # fmt: skip
@@ -103,16 +102,16 @@ def _run_local(args, scan, folder, done) -> None:
 
 
 def _run_ray(args, scan, folder, done) -> None:
-    import psutil
     import ray
     import ray.data
+    from sentence_transformers.util import get_device_name
 
-    from st_fastbackend.corpus_ray import local_layout, run_ray, shard_dimension, start_ray
+    from st_fastbackend.corpus_ray import layout_here, run_ray, shard_dimension, start_ray
 
     workers, cpus = args.num_workers or 1, args.cpus_per_worker or 1
-    if not (args.ray_address or ray.is_initialized() or args.gpus_per_worker or args.cpus_per_worker):
-        available = psutil.virtual_memory().available
-        workers, cpus = local_layout(args.model, args.num_workers, os.cpu_count() or 1, available)
+    if not (args.ray_address or ray.is_initialized() or args.gpus_per_worker):  # Ray on this machine
+        on_cpu = (args.device or get_device_name()).startswith("cpu")  # a copy per CPU would not fit a GPU
+        workers, cpus = layout_here(args.model, on_cpu, args.num_workers, args.cpus_per_worker)
     start_ray(args.ray_address, cpus * workers)
     options = dict(num_workers=workers, gpus_per_worker=args.gpus_per_worker, cpus_per_worker=cpus,
                    load_kwargs=_load_kwargs(args), matmul_precision=args.matmul_precision, prompt=args.prompt,

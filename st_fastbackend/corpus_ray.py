@@ -5,6 +5,7 @@ must be one path every node reaches (a shared filesystem on a cluster)."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -117,13 +118,25 @@ def shard_dimension(folder: OutputFolder) -> int | None:
 ACTOR_MEMORY = 1 << 30  # an actor's memory beside its weights: PyTorch, Ray's worker, activations
 
 
-def local_layout(model: str, workers: int | None, cpus: int, available: int) -> tuple[int, int]:
-    """(actors, CPUs each) for a job on this machine's CPUs. `workers` given: the CPUs shared out among them.
-    Else one single-thread actor per CPU, as many as fit in half the `available` bytes at twice the model's
-    safetensors each: two threads of one actor wait for each other at every parallel step, so a slice of
-    time Ray's own processes take from one stalls both, where separate actors lose only that slice. One actor
-    with every CPU where `model` is not a local folder (its size is not known here)."""
+def local_layout(weights: int, workers: int | None, threads: float | None, cpus: int,
+                 available: int) -> tuple[int, float]:  # fmt: skip
+    """(actors, CPUs each) for a job on this machine. Unset `workers`: an actor per `threads` CPUs (one each by
+    default), as many as fit in half the `available` bytes at twice the `weights` (bytes) plus ACTOR_MEMORY
+    each; one actor where `weights` is 0 (not known, or not on the CPU). Two threads of one actor wait for each
+    other at every parallel step, so a slice Ray's own processes take from one core stalls both; separate
+    actors lose only that slice. Unset `threads`: the CPUs shared out among the actors."""
     if workers is None:
-        weights = sum(path.stat().st_size for path in Path(model).rglob("*.safetensors"))
-        workers = max(1, min(cpus, available // 2 // (2 * weights + ACTOR_MEMORY))) if weights else 1
-    return workers, max(1, cpus // workers)
+        fit = available // 2 // (2 * weights + ACTOR_MEMORY) if weights else 1
+        workers = max(1, min(int(cpus // (threads or 1)), fit))
+    return workers, threads or max(1, cpus // workers)
+
+
+def layout_here(model: str, on_cpu: bool, workers: int | None, threads: float | None) -> tuple[int, float]:
+    """local_layout for this machine: its CPUs (a container's or taskset's share where the OS says), its free
+    memory, and the model folder's safetensors where the model runs on the CPU (a Hub id's size is not known)."""
+    import psutil
+
+    folder = Path(model).expanduser()
+    weights = sum(path.stat().st_size for path in folder.rglob("*.safetensors")) if on_cpu and folder.is_dir() else 0
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return local_layout(weights, workers, threads, cpus, psutil.virtual_memory().available)

@@ -2,6 +2,7 @@
 the local job began with what model.encode gives, and embed_dataset adds an `embedding` column."""
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -138,7 +139,6 @@ def test_the_actor_refuses_a_column_it_would_add(folder, texts):
         actor(pa.table({"text": texts[1:3]}))
 
 
-
 def test_the_job_splits_a_single_row_group_for_the_pool(texts, tmp_path):
     """A file of one row group reads as one block, which one actor would embed whole: the job's dataset reaches
     the actors in blocks of at most a call's rows, the done rows dropped."""
@@ -153,14 +153,40 @@ def test_the_job_splits_a_single_row_group_for_the_pool(texts, tmp_path):
     sizes = [len(block) for block in ds.iter_batches(batch_size=None, batch_format="pyarrow")]
     assert max(sizes) <= ROWS_PER_CALL and sum(sizes) == rows - 2
 
-def test_local_layout_one_single_thread_actor_per_cpu_as_memory_allows(tmp_path):
+
+def test_local_layout_one_single_thread_actor_per_cpu_as_memory_allows():
     from st_fastbackend.corpus_ray import ACTOR_MEMORY, local_layout
 
-    with open(tmp_path / "model.safetensors", "wb") as weights:
-        weights.truncate(1 << 30)  # each actor: 2 GiB for the weights + ACTOR_MEMORY
-    each = 2 * (1 << 30) + ACTOR_MEMORY
-    assert local_layout(str(tmp_path), None, 8, available=2 * 8 * each) == (8, 1)
-    assert local_layout(str(tmp_path), None, 8, available=2 * 3 * each) == (3, 2)
-    assert local_layout(str(tmp_path), None, 8, available=each) == (1, 8)
-    assert local_layout("org/not-a-folder", None, 8, available=1 << 50) == (1, 8)
-    assert local_layout(str(tmp_path), 4, 8, available=0) == (4, 2)  # given: the CPUs shared out
+    weights = 1 << 30
+    each = 2 * weights + ACTOR_MEMORY
+    assert local_layout(weights, None, None, 8, available=1 << 50) == (8, 1)  # one per CPU at most
+    assert local_layout(weights, None, None, 8, available=2 * 3 * each) == (3, 2)
+    assert local_layout(weights, None, None, 8, available=each) == (1, 8)
+    assert local_layout(0, None, None, 8, available=1 << 50) == (1, 8)  # the size not known: one actor
+    assert local_layout(weights, None, 2, 8, available=1 << 50) == (4, 2)  # --cpus-per-worker 2
+    assert local_layout(weights, 4, None, 8, available=0) == (4, 2)  # --num-workers 4: the CPUs shared out
+
+
+def test_ray_cli_lays_out_its_own_ray_by_device(folder, tmp_path, monkeypatch):
+    """The Ray the CLI starts on this machine: on the CPU an actor per CPU (this small model fits), on a GPU
+    device one actor with every CPU; an address or a Ray already started: one actor of one CPU."""
+    import st_fastbackend.corpus_ray as corpus_ray
+
+    layouts = []
+
+    def stop(scan, output, done, model, options, shard_rows):
+        layouts.append((options["num_workers"], options["cpus_per_worker"]))
+        raise RuntimeError("stopped before running")
+
+    monkeypatch.setattr(corpus_ray, "start_ray", lambda address, cpus: None)
+    monkeypatch.setattr(corpus_ray, "run_ray", stop)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    write_jsonl(tmp_path / "in.jsonl", ["a"], ["a text"])
+    arguments = ["embed-corpus", str(tmp_path / "in.jsonl"), str(tmp_path / "out"), "--model", str(folder), "--ray"]
+    for device in ("cpu", "cuda"):
+        with monkeypatch.context() as patch, pytest.raises(SystemExit):
+            patch.setattr(ray, "is_initialized", lambda: False)
+            main([*arguments, "--device", device])
+    with pytest.raises(SystemExit):
+        main([*arguments, "--device", "cpu"])  # this module's Ray
+    assert layouts == [(4, 1), (1, 4), (1, 1)]
