@@ -1,7 +1,7 @@
-"""The corpus job on Ray Data: read -> drop the rows done or invalid -> embed_dataset's actors (the fast model
-loaded once per worker) -> ShardSink. The sink writes shards exactly as the local job does (whole or not at
-all, the job's identity in their metadata), so either job resumes a folder the other began. The output folder
-must be one path every node reaches (a shared filesystem on a cluster)."""
+"""The corpus job on Ray Data: read -> drop the rows done or invalid -> blocks of one actor call's rows ->
+embed_dataset's actors (the fast model loaded once per worker) -> ShardSink. The sink writes shards exactly as
+the local job does (whole or not at all, the job's identity in their metadata), so either job resumes a folder
+the other began. The output folder must be one path every node reaches (a shared filesystem on a cluster)."""
 
 from __future__ import annotations
 
