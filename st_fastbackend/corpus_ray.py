@@ -134,9 +134,9 @@ def local_layout(weights: int, workers: int | None, threads: float | None, cpus:
 def layout_here(model: str, on_cpu: bool, workers: int | None, threads: float | None) -> tuple[int, float]:
     """local_layout for this machine: its CPUs (a container's or taskset's share where the OS says), its free
     memory, and the model folder's safetensors where the model runs on the CPU (a Hub id's size is not known)."""
-    import psutil
+    from st_fastbackend.engine.onednn import free_memory_bytes
 
     folder = Path(model).expanduser()
     weights = sum(path.stat().st_size for path in folder.rglob("*.safetensors")) if on_cpu and folder.is_dir() else 0
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return local_layout(weights, workers, threads, cpus, psutil.virtual_memory().available)
+    return local_layout(weights, workers, threads, cpus, free_memory_bytes())
