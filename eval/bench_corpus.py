@@ -82,12 +82,14 @@ def run_corpus(name: str, corpus: Path, work: Path, model: str, ray_workers: int
     cli = [sys.executable, "-m", "st_fastbackend.cli", "embed-corpus", str(corpus)]
     common = ["--model", model, "--batch-size", str(BATCH_SIZE), "--shard-rows", str(SHARD_ROWS), "--device", "cpu"]
     workers = ["--num-workers", str(ray_workers)] if ray_workers else []  # else the CLI's: one per CPU
-    out = {method: work / f"{name}-{suffix}" for method, suffix in METHODS.items() if loop or suffix != "loop"}
+    out = {method: work / f"{name}-{suffix}" for method, suffix in METHODS.items()}
     commands = {
-        "encode loop": [sys.executable, __file__, "--loop", str(corpus), str(out.get("encode loop")), model],
+        "encode loop": [sys.executable, __file__, "--loop", str(corpus), str(out["encode loop"]), model],
         "embed-corpus": [*cli, str(out["embed-corpus"]), *common],
         "embed-corpus --ray": [*cli, str(out["embed-corpus --ray"]), *common, "--ray", *workers],
     }
+    if not loop:
+        del out["encode loop"]
     seconds = {}
     for method in out:
         seconds[method], summary = timed(commands[method])
