@@ -8,6 +8,7 @@ PackedPooling; every other module (Dense, Normalize, ...) stays as it is.
 from __future__ import annotations
 
 import json
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -128,15 +129,17 @@ class SentenceTransformer(sentence_transformers.SentenceTransformer):
         max_tokens = max_tokens_per_batch or self._max_tokens_for(device)
         schedule = Schedule(self, prompt, device, batch_size, max_tokens)  # one for the call: keeps a learned budget
         results: list = [None] * len(inputs)
+        copied = device.type == "cuda" and save_to_cpu and output_value == "sentence_embedding"  # see _rows
+        landing = HostRows(results, waits=copied)
         with tqdm(total=len(inputs), desc="Texts", disable=not show_progress_bar) as progress:
             for chunk, sequences in _tokenized_chunks(self[0].texts, inputs, prompt):
                 for picked, out in schedule.run(sequences, **kwargs):
                     rows = _rows(out, output_value, truncate_dim, normalize_embeddings, save_to_cpu)
-                    for i, row in zip(picked, rows, strict=True):
-                        results[chunk[i]] = row
+                    landing.add([chunk[i] for i in picked], rows)
                     progress.update(len(picked))
+        landing.finish()
         if device.type == "cuda":
-            torch.cuda.synchronize(device)  # the rows were copied to the host without waiting, pack by pack
+            torch.cuda.synchronize(device)  # the rows left on the GPU, if any, are complete
         if output_value == "sentence_embedding":
             return torch.stack(results) if results else torch.tensor([], device=device)
         return results
@@ -209,6 +212,43 @@ def _load_on_device(kwargs: dict[str, Any]) -> dict[str, Any]:
     device = kwargs.get("device") or model_kwargs.get("device_map") or get_device_name()
     model_kwargs.setdefault("device_map", device)
     return {**kwargs, "device": device, "model_kwargs": model_kwargs}
+
+
+class HostRows:
+    """Where each pack's rows go in the caller's order. From a GPU, rows are copied to the host without waiting,
+    into pinned (page-locked) memory; each pack's rows move to ordinary memory once their copy is done, at most
+    DEPTH packs behind the newest, so pinned memory holds a few packs' rows rather than the whole call's (1M
+    e5-mistral rows would be 16 GB pinned, kept by PyTorch's host cache after the call)."""
+
+    DEPTH = 4  # packs in flight: the host waits for the oldest only while the GPU has newer ones queued
+
+    def __init__(self, results: list, waits: bool, event=None) -> None:
+        self.results, self.waits = results, waits
+        self.event = event or (lambda: torch.cuda.Event())  # a copy's completion, recorded on the GPU's queue
+        self.pending: deque[tuple[list[int], Tensor, Any]] = deque()
+
+    def add(self, positions: list[int], rows: list | Tensor) -> None:
+        if not self.waits:
+            self._place(positions, rows)
+            return
+        done = self.event()
+        done.record()
+        self.pending.append((positions, rows, done))
+        while len(self.pending) > self.DEPTH:
+            self._land()
+
+    def finish(self) -> None:
+        while self.pending:
+            self._land()
+
+    def _land(self) -> None:
+        positions, rows, done = self.pending.popleft()
+        done.synchronize()
+        self._place(positions, rows.clone())  # ordinary memory; the pinned block goes back to be reused
+
+    def _place(self, positions: list[int], rows: list | Tensor) -> None:
+        for i, row in zip(positions, rows, strict=True):
+            self.results[i] = row
 
 
 def _rows(out: dict[str, Any], output_value: str | None, truncate_dim, normalize: bool, to_cpu: bool) -> list | Tensor:

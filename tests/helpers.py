@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from sentence_transformers import SentenceTransformer as PlainSentenceTransformer
 
 from st_fastbackend import SentenceTransformer
@@ -16,15 +17,25 @@ TOLERANCE = 1e-5  # max abs difference on unit-norm fp32 embeddings (the correct
 DEVICE = "cpu"
 
 
-def load_both(folder, **kwargs):
-    plain = PlainSentenceTransformer(str(folder), device=DEVICE, **kwargs)
-    fast = SentenceTransformer(str(folder), backend="fast", device=DEVICE, **kwargs)
+def load_both(folder, device: str | None = None, **kwargs):
+    """Plain sentence-transformers and the fast backend on one folder, on `device` (default: the suite's)."""
+    plain = PlainSentenceTransformer(str(folder), device=device or DEVICE, **kwargs)
+    fast = SentenceTransformer(str(folder), backend="fast", device=device or DEVICE, **kwargs)
     return plain, fast
+
+
+def as_numpy(x) -> np.ndarray:
+    """float64 on the host, from an array, a tensor on any device (`pytest --device cuda`), or a list of either."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().double().cpu().numpy()
+    if isinstance(x, (list, tuple)) and x and isinstance(x[0], torch.Tensor):
+        return torch.stack([t.detach().double().cpu() for t in x]).numpy()
+    return np.asarray(x, dtype=np.float64)
 
 
 def max_diff(a, b) -> float:
     """Max abs difference; NaN where both are NaN counts as equal (e.g. max-pooling nothing), elsewhere as inf."""
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    a, b = as_numpy(a), as_numpy(b)
     both_nan = np.isnan(a) & np.isnan(b)
     diff = np.where(both_nan, 0.0, np.abs(a - b))
     return float(np.nan_to_num(diff, nan=np.inf).max())

@@ -84,22 +84,29 @@ def test_packed_batch_layout():
         PackedBatch.from_sequences([[1], []])
 
 
-EXPECTED = {  # what choose_runtime must read from each signature: (grouped_heads, window, is_causal, scale)
+EXPECTED = {  # what choose_runtime must read from each release: (kernel, ask_grouped, window, is_causal, scale)
     "torch 2.10": ("torch_varlen", False, False, True, False),
     "torch 2.11": ("torch_varlen", False, True, False, True),
     "torch 2.13": ("torch_varlen", True, True, False, True),
-    "flash-attn 2": ("flash_attn", True, True, True, True),
+    "torch 2.14": ("torch_varlen", True, True, False, True),
+    "flash-attn 2.0": ("flash_attn", False, False, True, True),
+    "flash-attn 2.1": ("flash_attn", False, False, True, True),
+    "flash-attn 2.3": ("flash_attn", False, True, True, True),
+    "flash-attn 2.8": ("flash_attn", False, True, True, True),
 }
 
 
 @pytest.mark.parametrize("name", kernel_standins.STANDINS)
-def test_capabilities_are_read_from_the_installed_signature(standin, name):
+def test_capabilities_are_read_from_the_installed_kernel(standin, name):
+    """Every kernel takes grouped heads (PyTorch's from 2.12 when asked); flash-attn 2.0 alone aligns a causal
+    mask over longer keys with their start."""
     standin(name)
-    kernel, grouped_heads, window, is_causal, scale = EXPECTED[name]
+    kernel, ask_grouped, window, is_causal, scale = EXPECTED[name]
     for dtype in (torch.bfloat16, torch.float16):
         expected = Runtime(
-            kernel, grouped_heads=grouped_heads, window=window, is_causal=is_causal, dtype=dtype, scale=scale
-        )
+            kernel, grouped_heads=True, ask_grouped=ask_grouped, window=window, is_causal=is_causal, dtype=dtype,
+            scale=scale, longer_keys=name != "flash-attn 2.0",
+        )  # fmt: skip
         assert choose_runtime("cuda", dtype) == expected
     assert choose_runtime("cuda", torch.float32).kernel == "sdpa_loop"
 
@@ -111,7 +118,7 @@ def test_capabilities_are_read_from_the_installed_signature(standin, name):
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
 @pytest.mark.parametrize("scale", [None, 0.2])
 def test_each_kernel_signature_gives_dense_attention(standin, name, causal, window, kv_heads, scale):
-    """Through the stand-in where it can (grouped heads repeated, causality, windows and the scale expressed
+    """Through the stand-in where it can (grouped heads as they are, causality, windows and the scale expressed
     as the release takes them), through the SDPA loop where a release has no window and the window cuts."""
     standin(name)
     lengths = [9, 4, 4, 1]
@@ -122,7 +129,8 @@ def test_each_kernel_signature_gives_dense_attention(standin, name, causal, wind
     expected = dense_reference(q, k, v, lengths, causal, window, scale)
     torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=0)
     cuts = window is not None and window < max(lengths)
-    assert kernel_standins.Calls.count == (0 if cuts and name == "torch 2.10" else 1)
+    assert kernel_standins.Calls.count == (0 if cuts and not runtime.window else 1)
+    assert kernel_standins.Calls.kv_heads in (0, kv_heads)  # never repeated for a kernel: ~2 GB a layer at 131k
 
 
 def test_gpus_before_ampere_use_the_sdpa_loop(standin, monkeypatch):
@@ -138,12 +146,44 @@ def test_standins_refuse_what_the_kernels_refuse():
     with pytest.raises(RuntimeError, match="fp16 and bf16"):
         kernel_standins.varlen_attn_2_13(q, k, v, cu, cu, 3, 3, enable_gqa=True)
     q, k, v = random_qkv(lengths, 2, torch.bfloat16)
+    kernel_standins.varlen_attn_2_11(q, k, v, cu, cu, 3, 3)  # the kernel under 2.10 and 2.11 takes grouped heads
     with pytest.raises(ValueError, match="same number of heads"):
-        kernel_standins.varlen_attn_2_11(q, k, v, cu, cu, 3, 3)
+        kernel_standins.varlen_attn_2_13(q, k, v, cu, cu, 3, 3)  # from 2.12 only when asked
     with pytest.raises(TypeError):
         kernel_standins.varlen_attn_2_11(q, k, v, cu, cu, 3, 3, enable_gqa=True)  # no such keyword in 2.11
     with pytest.raises(TypeError):
         kernel_standins.varlen_attn_2_13(q, k, v, cu, cu, 3, 3, is_causal=True)  # nor this one in 2.13
+    with pytest.raises(TypeError):
+        kernel_standins.flash_attn_2_1(q, k, v, cu, cu, 3, 3, window_size=(2, 0))  # before flash-attn 2.3
+    with pytest.raises(RuntimeError, match="must divide"):
+        three = k[:, :1].expand(-1, 3, -1).contiguous()  # 3 k/v heads for 4 query heads
+        kernel_standins.flash_attn_2_8(q, three, three, cu, cu, 3, 3)
+    with pytest.raises(RuntimeError, match="contiguous last dimension"):
+        kernel_standins.flash_attn_2_8(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, cu, cu, 3, 3)
+    with pytest.raises(RuntimeError, match="silently leaves the rows"):
+        kernel_standins.flash_attn_2_8(q, k, v, cu, cu, 2, 3)
+    wide = torch.randn(5, 4, 12, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        kernel_standins.flash_attn_2_8(wide, wide, wide, cu, cu, 3, 3)
+
+
+def test_a_query_without_keys_gets_zeros():
+    """flash-attn's rule where queries outnumber keys: the first queries see no key and the kernel writes 0."""
+    q, k, v = random_qkv([4], 4, torch.bfloat16)
+    cu_q, cu_k = torch.tensor([0, 4], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32)
+    out = kernel_standins.flash_attn_2_8(q, k[:2], v[:2], cu_q, cu_k, 4, 2, causal=True)
+    assert torch.equal(out[:2], torch.zeros_like(out[:2])) and out[2:].abs().sum() > 0
+
+
+@pytest.mark.parametrize("name", ["torch 2.10", "flash-attn 2.1"])
+def test_a_head_size_the_kernels_refuse_runs_through_sdpa(standin, name):
+    standin(name)
+    lengths = [9, 4]
+    batch = PackedBatch.from_sequences([[0] * n for n in lengths])
+    q, k, v = (torch.randn(13, 4, 12, dtype=torch.bfloat16) for _ in range(3))  # head_dim 12: not a multiple of 8
+    out = varlen_attention(q, k, v, batch, causal=True, window=None, runtime=choose_runtime("cpu", q.dtype))
+    torch.testing.assert_close(out.double(), dense_reference(q, k, v, lengths, True, None), atol=2e-2, rtol=0)
+    assert kernel_standins.Calls.count == 0
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the real CUDA kernels run under `pytest --device cuda`")

@@ -10,6 +10,9 @@ import pytest
 import torch
 from helpers import DEVICE, TOLERANCE, load_both, max_diff
 from test_bf16 import one_minus_cosine
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from st_fastbackend.engine.layers import Rotary
 
 pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the stand-ins replace the CUDA kernels on the CPU")
 
@@ -43,13 +46,19 @@ def plain_embeddings(st_model, case_texts):
     return embed
 
 
-@pytest.mark.parametrize("name", kernel_standins.STANDINS)
+# Every release with eager layer seams; with compiled ones (the CUDA default) the newest of each kernel.
+RELEASES = [(name, False) for name in kernel_standins.STANDINS] + [("torch 2.14", True), ("flash-attn 2.8", True)]
+
+
+@pytest.mark.parametrize("name, compiled", RELEASES, ids=lambda x: {True: "compiled", False: "eager"}.get(x, x))
 @pytest.mark.parametrize("case", CASES)
-def test_bf16_encode_through_each_kernel_release(standin, plain_embeddings, case_texts, name, case):
+def test_bf16_encode_through_each_kernel_release(standin, plain_embeddings, case_texts, name, compiled, case):
     standin(name)
     folder, reference, plain_bf16 = plain_embeddings(case)
     _, fast = load_both(folder, model_kwargs={"dtype": torch.bfloat16})
+    fast[0].compiled_seams = compiled
     assert fast[0].attention_kernel == ("flash_attn" if name.startswith("flash") else "torch_varlen")
+    assert fast[0].runtime.fused == compiled
     ours = fast.encode(case_texts, batch_size=8)
     assert kernel_standins.Calls.count > 0
     ours_error = one_minus_cosine(ours.astype(np.float32), reference)
@@ -68,3 +77,32 @@ def test_fp32_never_reaches_a_flash_kernel_and_stays_exact(standin, plain_embedd
     assert fast[0].attention_kernel == "sdpa_loop"
     assert max_diff(reference, fast.encode(case_texts, batch_size=8)) <= TOLERANCE
     assert kernel_standins.Calls.count == 0
+
+
+class HostToDevice(TorchDispatchMode):
+    """Counts copies of host tensors to another device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
+            source = args[1] if func is torch.ops.aten.copy_.default else args[0]
+            target = args[0] if func is torch.ops.aten.copy_.default else out
+            self.copies += int(source.device.type == "cpu" and target.device.type != "cpu")
+        return out
+
+
+def test_rotary_tables_reach_the_device_once():
+    """A copy from pageable host memory makes the host wait for the GPU's queue: inv_freq moves once, not per
+    pack. (The meta device stands for the GPU: it records copies without computing.)"""
+    rotary = Rotary(torch.rand(8), 1.0)
+    positions = torch.arange(40, device="meta")
+    with HostToDevice() as counted:
+        for _ in range(3):
+            rotary(positions, torch.bfloat16)
+    assert counted.copies == 1
+    assert "_on_device" not in rotary.__getstate__()  # a pickled model carries no copy on a device

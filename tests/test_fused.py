@@ -154,3 +154,65 @@ def test_past_the_recompile_limit_a_new_variant_runs_eagerly():
         for shape in ((T, 64), (T, 3, 64), (T, 2, 3, 64)):
             args = (torch.randn(shape), torch.randn(shape), torch.ones(64), None, 1e-5)
             torch.testing.assert_close(seam(*args), fused.add_layer_norm(*args), atol=1e-5, rtol=1e-5)
+
+
+def rms_norm_for_counting(x, weight, eps, unit_offset):
+    """fused.rms_norm under code of its own: Dynamo counts compilations per code object."""
+    return fused.rms_norm(x, weight, eps, unit_offset)
+
+
+def test_model_widths_share_one_compiled_variant():
+    """Weights arrive as nn.Parameter, whose shapes Dynamo keeps static: without care one compilation per width."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    seam = fused._Timed(rms_norm_for_counting)
+    seam.compiled = torch.compile(rms_norm_for_counting, dynamic=True, backend=counter)
+    for width in (64, 96, 128):
+        x, weight = torch.randn(T, width), torch.nn.Parameter(torch.randn(width))
+        torch.testing.assert_close(seam(x, weight, 1e-6, False), fused.rms_norm(x, weight, 1e-6, False))
+    assert counter.frame_count == 1
+
+
+def test_a_pack_past_int32_indexing_runs_in_parts(monkeypatch):
+    """Inductor would compile a seam again for buffers of 2**31 elements or more (64-bit indexing): such a pack
+    runs as several calls under the bound, with the eager numbers (shown with a bound of 10,000 elements)."""
+    monkeypatch.setattr(fused, "MAX_ELEMENTS", 10_000)
+    shapes = []
+    for name, make in [("gated", lambda: (torch.randn(T, 96), ACT2FN["silu"])),
+                       ("split_rotate", lambda: (torch.randn(T, 8 * 32), torch.randn(T, 32), torch.randn(T, 32),
+                                                 (4, 2, 32), None))]:  # fmt: skip
+        seam, args = fused._Timed(getattr(fused, name)), make()
+        seam.compiled = lambda *a, fn=seam.fn: shapes.append([t.numel() for t in a if torch.is_tensor(t)]) or fn(*a)
+        for got, expected in zip(_tuple(seam(*args)), _tuple(getattr(fused, name)(*args)), strict=True):
+            torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    assert len(shapes) > 2 and max(max(numels) for numels in shapes) < 10_000
+
+
+def test_running_out_of_memory_is_raised_and_compiling_goes_on():
+    """The schedule halves a pack that runs out of memory: the error must reach it, at the first call, at a
+    later one, or inside a compiler's error, and the seam stays compiled."""
+    seam = fused._Timed(fused.gated)
+    x = torch.randn(T, 64)
+    for error in (torch.OutOfMemoryError("injected"), RuntimeError("BackendCompilerFailed")):
+        if not isinstance(error, torch.OutOfMemoryError):
+            error.__cause__ = torch.OutOfMemoryError("while benchmarking")
+
+        def fail(*args, error=error):
+            raise error
+
+        seam.compiled = fail
+        with pytest.raises(torch.OutOfMemoryError):
+            seam(x, ACT2FN["silu"])
+        assert not seam.failed
+
+
+def test_a_failed_recompilation_leaves_the_eager_seam(caplog):
+    """A compilation that fails after the first call (a new shape, a guard that fails) does not fail encode()."""
+    seam = fused._Timed(fused.gated)
+    x = torch.randn(T, 64)
+    seam(x, ACT2FN["silu"])  # compiled
+    seam.compiled = lambda *args: (_ for _ in ()).throw(RuntimeError("recompilation failed"))
+    with caplog.at_level(logging.WARNING, logger="st_fastbackend.engine.fused"):
+        torch.testing.assert_close(seam(x, ACT2FN["silu"]), fused.gated(x, ACT2FN["silu"]), atol=0, rtol=0)
+    assert "recompilation failed" in caplog.text and seam.failed

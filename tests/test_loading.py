@@ -138,7 +138,7 @@ def test_other_backends_are_plain_sentence_transformers(st_model, texts):
 def test_dtype_default_is_fp32_and_auto_follows_the_cpu(tmp_path, monkeypatch):
     import transformers
 
-    from st_fastbackend.engine.runtime import cpu_has_native_bf16
+    from st_fastbackend.engine.runtime import cpu_has_native_bf16, resolve_dtype
 
     folder = build_hf_model(tmp_path / "hf", "llama")
     transformers.AutoModel.from_pretrained(folder).to(torch.float16).save_pretrained(folder)
@@ -146,6 +146,8 @@ def test_dtype_default_is_fp32_and_auto_follows_the_cpu(tmp_path, monkeypatch):
     assert weight().dtype == torch.float32
     assert weight(model_kwargs={"torch_dtype": "float16"}).dtype == torch.float16
     native = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-    assert weight(model_kwargs={"dtype": "auto"}).dtype == native  # this machine has no CUDA
+    assert weight(model_kwargs={"dtype": "auto"}).dtype == native  # a model on the CPU follows the CPU...
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert weight(model_kwargs={"dtype": "auto"}).dtype == torch.float16  # the checkpoint's, with CUDA
+    assert weight(model_kwargs={"dtype": "auto"}).dtype == native  # ...on a machine with a GPU too
+    config = transformers.AutoConfig.from_pretrained(folder)
+    assert resolve_dtype({"dtype": "auto"}, config, "cuda") == torch.float16  # the checkpoint's, on a GPU

@@ -11,6 +11,7 @@ from st_fastbackend import SentenceTransformer
 from st_fastbackend.embedder import Embedder
 from st_fastbackend.engine import schedule
 from st_fastbackend.engine.batch import plan_batches
+from st_fastbackend.model import HostRows
 from st_fastbackend.serve.batcher import Batcher, Job
 from st_fastbackend.serve.metrics import Metrics
 
@@ -127,7 +128,7 @@ def test_server_worker_splits_a_pack_that_runs_out_of_memory(model, texts, monke
     assert failures
     for future, expected in zip(futures, reference, strict=True):
         ((row, _),) = future.result(timeout=0)
-        torch.testing.assert_close(row, expected, atol=1e-5, rtol=0)
+        torch.testing.assert_close(row, expected.cpu(), atol=1e-5, rtol=0)  # the worker's rows are on the host
 
 
 def test_gpu_budget_comes_from_free_memory(monkeypatch):
@@ -143,3 +144,33 @@ def test_gpu_budget_comes_from_free_memory(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (gib // 4, 139 * gib))
     small = schedule.cuda_max_tokens(config, torch.bfloat16, torch.device("cuda"))
     assert small == schedule.MIN_GPU_TOKENS
+
+
+class CopyDone:
+    """Stands for a CUDA event: records when the host waits for it."""
+
+    waited: list = []
+
+    def record(self) -> None:
+        self.waited.append(False)
+        self.index = len(self.waited) - 1
+
+    def synchronize(self) -> None:
+        self.waited[self.index] = True
+
+
+def test_rows_from_a_gpu_leave_pinned_memory_a_few_packs_behind():
+    """encode() on a GPU copies each pack's rows to pinned host memory without waiting; they move to ordinary
+    memory once copied, so at most HostRows.DEPTH packs are pinned at any time, whatever the call's size."""
+    CopyDone.waited = []
+    results: list = [None] * 40
+    landing = HostRows(results, waits=True, event=CopyDone)
+    packs = [torch.randn(4, 8) for _ in range(10)]  # stand-ins for the pinned rows of 10 packs
+    for n, rows in enumerate(packs):
+        landing.add(list(range(4 * n, 4 * n + 4)), rows)
+        assert len(landing.pending) <= HostRows.DEPTH
+        assert CopyDone.waited[: max(0, n + 1 - HostRows.DEPTH)] == [True] * max(0, n + 1 - HostRows.DEPTH)
+    landing.finish()
+    assert all(CopyDone.waited) and not landing.pending
+    assert torch.equal(torch.stack(results), torch.cat(packs))
+    assert all(results[4 * n].data_ptr() != packs[n].data_ptr() for n in range(10))  # copies, not the pinned rows

@@ -37,8 +37,8 @@ def varlen_attention(
     of its keys (flash-attn >= 2.1's rule, which PyTorch's copy of the kernel follows)."""
     cu, n = batch.cu_seqlens, batch.max_seqlen
     cu_k, n_k = keys if keys is not None else (cu, n)
-    cuts = window is not None and n_k > window  # the window changes some sequence's result
-    if keys is None and (runtime.kernel == "sdpa_loop" or (cuts and not runtime.window)):
+    cuts = window_cuts(window, n_k)
+    if keys is None and not kernel_takes(q, runtime, cuts):
         return sdpa_attention(q, k, v, batch, causal=causal, window=window, runtime=runtime, scale=scale)
     if not runtime.grouped_heads:
         k, v = _repeat_kv(k, v, q.shape[1])
@@ -47,7 +47,9 @@ def varlen_attention(
     if runtime.kernel == "flash_attn":
         from flash_attn import flash_attn_varlen_func
 
-        options = dict(softmax_scale=scale, causal=causal, window_size=window_size)
+        options = dict(softmax_scale=scale, causal=causal)
+        if runtime.window:  # flash-attn >= 2.3
+            options["window_size"] = window_size
         return flash_attn_varlen_func(q, k, v, cu, cu_k, n, n_k, **options)
     from torch.nn.attention.varlen import varlen_attn
 
@@ -60,9 +62,28 @@ def varlen_attention(
         options["window_size"] = window_size
     if runtime.is_causal:
         options["is_causal"] = causal
-    if runtime.grouped_heads and q.shape[1] != k.shape[1]:
+    if runtime.ask_grouped and q.shape[1] != k.shape[1]:
         options["enable_gqa"] = True
     return varlen_attn(q, k, v, cu, cu_k, n, n_k, **options)
+
+
+def window_cuts(window: int | None, longest_keys: int) -> bool:
+    """Whether a window changes some sequence's result: it does only where a sequence has more keys than it."""
+    return window is not None and longest_keys > window
+
+
+def kernel_takes(q: Tensor, runtime: Runtime, cuts: bool, longer_keys: bool = False) -> bool:
+    """Whether the runtime's varlen kernel computes this attention: it is not the SDPA loop, it has a window where
+    the window cuts, it takes the head size (mha_varlen_fwd: at most 256, a multiple of 8), and where the keys
+    are longer than the queries it aligns them with the keys' end."""
+    head_dim = q.shape[-1]
+    return (
+        runtime.kernel != "sdpa_loop"
+        and (runtime.window or not cuts)
+        and head_dim <= 256
+        and head_dim % 8 == 0
+        and (runtime.longer_keys or not longer_keys)
+    )
 
 
 def sdpa_attention(

@@ -117,9 +117,19 @@ def _compiled() -> SimpleNamespace:
     return SimpleNamespace(**{f.__name__: _Timed(f) for f in SEAMS})
 
 
+# Inductor indexes a kernel with int32 where every buffer it touches has fewer elements, and guards on that
+# (torch/_inductor/codegen/simd.py, can_use_32bit_indexing): a pack past it (e5-mistral's gate/up output
+# [T, 28672] at ~75k tokens) would compile the seam once more. The seams work row by row (a row: one token), so
+# a pack that large runs as several calls, each under it: the same numbers, one compiled variant.
+MAX_ELEMENTS = torch.iinfo(torch.int32).max
+DEVICE_ERRORS = (torch.OutOfMemoryError, getattr(torch, "AcceleratorError", torch.OutOfMemoryError))
+
+
 class _Timed:
-    """torch.compile(f) whose calls that compile (the first for each dtype and device, and any recompile)
-    are logged with their time."""
+    """torch.compile(f) whose calls that compile (the first for each dtype and device) are logged with their
+    time. A compilation that fails, at the first call or at any recompilation, leaves the eager function for
+    the rest of the process (the same numbers); running out of memory or a device error is the caller's to see
+    (the schedule's back-off), never a reason to stop compiling."""
 
     def __init__(self, fn) -> None:
         self.fn = fn
@@ -131,19 +141,65 @@ class _Timed:
         self.failed = False
 
     def __call__(self, *args):
-        key = tuple((a.dtype, a.device.type) for a in args if isinstance(a, Tensor))
-        if key in self.seen:
-            return self.compiled(*args)
-        if self.failed:  # the eager function computes the same numbers
+        if self.failed:
             return self.fn(*args)
+        # Dynamo keeps an nn.Parameter's shape static (force_parameter_static_shapes): one compilation per model
+        # width. A detached view of it is an ordinary tensor, dynamic like the rest.
+        args = tuple(a.detach() if isinstance(a, nn.Parameter) else a for a in args)
+        rows = _rows_per_call(args)
+        if rows is None:
+            return self._run(args)
+        return _joined([self._run(part) for part in _row_parts(args, rows)])
+
+    def _run(self, args: tuple):
+        if self.failed:
+            return self.fn(*args)
+        key = tuple((a.dtype, a.device.type) for a in args if isinstance(a, Tensor))
         start = time.perf_counter()
         try:
             out = self.compiled(*args)
-        except Exception as error:  # no C++ compiler, an unsupported platform: the eager seams from now on
+        except Exception as error:
+            if (device_error := _device_error(error)) is not None:
+                raise device_error from None
             logger.warning(f"torch.compile failed ({type(error).__name__}: {error}); the layer seams run eagerly.")
             self.failed = True
             return self.fn(*args)
-        self.seen.add(key)
-        seconds = time.perf_counter() - start
-        logger.info(f"Compiled {self.fn.__name__} for {key[0][0]} on {key[0][1]} in {seconds:.1f} s")
+        if key not in self.seen:
+            self.seen.add(key)
+            seconds = time.perf_counter() - start
+            logger.info(f"Compiled {self.fn.__name__} for {key[0][0]} on {key[0][1]} in {seconds:.1f} s")
         return out
+
+
+def _device_error(error: BaseException | None) -> BaseException | None:
+    """Out of memory or a device error, raised as it is or inside a compiler's error (Inductor wraps what
+    fails while it compiles or benchmarks)."""
+    while error is not None:
+        if isinstance(error, DEVICE_ERRORS):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _rows_per_call(args: tuple) -> int | None:
+    """Rows per call where some activation (an argument of 2 or more dimensions; weights have 1) reaches
+    MAX_ELEMENTS; None where one call takes them all."""
+    activations = [a for a in args if isinstance(a, Tensor) and a.dim() >= 2]
+    widest = max(max(a.stride(0), a[0].numel()) for a in activations)
+    rows = activations[0].shape[0]
+    return None if rows * widest < MAX_ELEMENTS else max(1, (MAX_ELEMENTS - 1) // widest)
+
+
+def _row_parts(args: tuple, rows: int) -> list[tuple]:
+    total = next(a.shape[0] for a in args if isinstance(a, Tensor) and a.dim() >= 2)
+    return [
+        tuple(a[start : start + rows] if isinstance(a, Tensor) and a.dim() >= 2 else a for a in args)
+        for start in range(0, total, rows)
+    ]
+
+
+def _joined(parts: list):
+    """The parts' outputs (a tensor, or a tuple of tensors) joined along the rows."""
+    if isinstance(parts[0], Tensor):
+        return torch.cat(parts)
+    return tuple(torch.cat(outputs) for outputs in zip(*parts, strict=True))

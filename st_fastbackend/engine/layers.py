@@ -96,6 +96,8 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     """cos/sin tables for the positions of a batch. `inv_freq` stays fp32 whatever the model dtype."""
 
+    _on_device: Tensor | None = None  # inv_freq on the device the positions were last on
+
     def __init__(self, inv_freq: Tensor, attention_scaling: float) -> None:
         super().__init__()
         assert inv_freq.dtype == torch.float32 and inv_freq.device.type == "cpu"
@@ -103,8 +105,18 @@ class Rotary(nn.Module):
         self.attention_scaling = attention_scaling
 
     def forward(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        inv_freq = self.inv_freq.to(position_ids.device)
-        freqs = position_ids.float()[:, None] * inv_freq[None, :]  # [T, D/2]
+        freqs = position_ids.float()[:, None] * self._inv_freq_on(position_ids.device)[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, D], the rotate_half layout
         cos, sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
         return cos.to(dtype), sin.to(dtype)
+
+    def _inv_freq_on(self, device: torch.device) -> Tensor:
+        """Copied to the device once, not at every pack: a copy from pageable host memory makes the host wait
+        until the GPU's queue reaches it, so the host could no longer run ahead of the GPU."""
+        if self._on_device is None or self._on_device.device != device:
+            self._on_device = self.inv_freq.to(device)
+        return self._on_device
+
+    def __getstate__(self) -> dict:
+        """Pickled (multi-process pools) without the device copy: a worker may not have that device."""
+        return {k: v for k, v in self.__dict__.items() if k != "_on_device"}

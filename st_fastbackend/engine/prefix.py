@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from st_fastbackend.engine.attention import sdpa_attention, varlen_attention
+from st_fastbackend.engine.attention import kernel_takes, sdpa_attention, varlen_attention, window_cuts
 from st_fastbackend.engine.batch import PackedBatch
 from st_fastbackend.engine.runtime import Runtime
 
@@ -55,8 +55,10 @@ def prefixed_attention(
     P + i, sees the prefix's keys and its own keys up to i, those within `window` positions of it.
     q: [T, Hq, D], k and v: [T, Hkv, D] (the texts' own tokens) -> [T, Hq, D]. Through the varlen kernels
     with each text's keys [prefix ; its own] packed (query and key boundaries differ), where the runtime
-    has one that takes the window; else through SDPA under an explicit mask."""
-    if runtime.kernel == "sdpa_loop" or (window is not None and not runtime.window):
+    has one that takes them (the window where it cuts, keys longer than the queries); else through SDPA under an
+    explicit mask."""
+    cuts = window_cuts(window, batch.max_seqlen + len(kv.keys))
+    if not kernel_takes(q, runtime, cuts, longer_keys=True):
         prefix = (kv.keys, kv.values)
         return sdpa_attention(q, k, v, batch, causal=True, window=window, runtime=runtime, scale=scale, prefix=prefix)
     cu_k, rows = _key_layout(batch, len(kv.keys))

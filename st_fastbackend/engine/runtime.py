@@ -1,13 +1,24 @@
 """How the engine runs on a device and dtype, decided once: the attention kernel with what the installed
 kernel accepts, and the dtype the matrix products run in. Also the model dtype asked for at load.
 
-Capabilities are read from the installed functions, never inferred from a version number. The
-signatures of PyTorch's `torch.nn.attention.varlen.varlen_attn` (read from its source):
+Capabilities are read from the installed functions' signatures where a signature shows them. The
+signatures of PyTorch's `torch.nn.attention.varlen.varlen_attn` (read from each release's wheel):
   2.10  (query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None)
   2.11  (..., max_k, *, return_aux=None, scale=None, window_size=(-1, -1))    causal = window_size (w, 0)
   2.12+ (..., window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None)
-Both flash kernels (flash-attn's and PyTorch's) take fp16/bf16 only, and only on Ampere or newer GPUs;
-elsewhere attention runs through exact SDPA, one call per run of equal-length sequences.
+Under every one of them is aten's flash kernel (mha_varlen_fwd), which takes fewer k/v heads than query heads
+where they divide ("Number of heads in key/value must divide number of heads in query", in the 2.10 and 2.11
+binaries too); from 2.12 varlen_attn itself refuses unequal heads unless enable_gqa=True. 2.14 sends full
+non-causal attention with equal heads to cuDNN on Hopper; causal attention (window (-1, 0)) stays on flash.
+flash-attn's `flash_attn_varlen_func` (read from each release's flash_attn_interface.py):
+  2.0-2.2  (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+            return_attn_probs)
+  2.3      (..., causal, window_size=(-1, -1), return_attn_probs)
+  2.4-2.8  (..., window_size, [softcap,] alibi_slopes, deterministic, return_attn_probs[, block_table])
+Only one fact is not in a signature: before 2.1 a causal mask with more keys than queries was aligned with the
+keys' start, from 2.1 with their end ("aligned to the bottom right corner"), so the version says that one.
+Both flash kernels take fp16/bf16 only, and only on Ampere or newer GPUs; elsewhere attention runs through
+exact SDPA, one call per run of equal-length sequences.
 """
 
 from __future__ import annotations
@@ -38,9 +49,12 @@ class Runtime:
     product_dtype: torch.dtype | None = None  # oneDNN's products on a CPU (engine/onednn.py); None: PyTorch's
     scale: bool = True  # takes a softmax scale; else q is multiplied by it first (Gemma's query_pre_attn_scalar)
     fused: bool = False  # the elementwise seams between products run compiled (engine/fused.py)
+    ask_grouped: bool = False  # grouped heads must be asked for with enable_gqa=True (PyTorch >= 2.12)
+    longer_keys: bool = True  # aligns a query sequence shorter than its keys with their end (a prompt computed once)
 
     def __str__(self) -> str:
-        missing = [name for name in ("grouped_heads", "window", "is_causal", "scale") if not getattr(self, name)]
+        names = ("grouped_heads", "window", "is_causal", "scale", "longer_keys")
+        missing = [name for name in names if not getattr(self, name)]
         kernel = self.kernel + (f" (without {', '.join(missing)})" if missing and self.kernel != "sdpa_loop" else "")
         products = f"oneDNN in {self.product_dtype}" if self.product_dtype else f"PyTorch's in {self.dtype}"
         seams = "compiled" if self.fused else "eager"
@@ -61,13 +75,17 @@ def choose_runtime(
     `fused`: whether the layer seams run compiled (engine/fused.py), the caller's choice too."""
     assert product_dtype is None or device_type == "cpu"
     if device_type in VARLEN_DEVICES and dtype in HALF_DTYPES and _flash_capable(device_type, device_index):
-        if _has_flash_attn():
-            return Runtime("flash_attn", grouped_heads=True, window=True, is_causal=True, dtype=dtype, fused=fused)
+        flash = flash_attn_keywords()
+        if flash is not None:
+            window, longer_keys = "window_size" in flash, _flash_attn_aligns_keys_end()
+            return Runtime("flash_attn", grouped_heads=True, window=window, is_causal=True, dtype=dtype, fused=fused,
+                           longer_keys=longer_keys)  # fmt: skip
         keywords = torch_varlen_keywords()
         if keywords is not None:
             return Runtime(
                 "torch_varlen",
-                grouped_heads="enable_gqa" in keywords,
+                grouped_heads=True,
+                ask_grouped="enable_gqa" in keywords,
                 window="window_size" in keywords,
                 is_causal="is_causal" in keywords,
                 dtype=dtype,
@@ -101,29 +119,39 @@ def _flash_capable(device_type: str, device_index: int | None) -> bool:
     return device_type != "cuda" or torch.cuda.get_device_capability(device_index) >= (8, 0)
 
 
-def _has_flash_attn() -> bool:
+def flash_attn_keywords() -> frozenset[str] | None:
+    """The parameters of the installed flash-attn's varlen function, or None where flash-attn is not installed."""
     try:
-        from flash_attn import flash_attn_varlen_func  # noqa: F401
+        from flash_attn import flash_attn_varlen_func
     except ImportError:
-        return False
-    return True
+        return None
+    return frozenset(inspect.signature(flash_attn_varlen_func).parameters)
 
 
-def resolve_dtype(model_kwargs: dict[str, Any], config) -> torch.dtype:
-    """sentence-transformers' model_kwargs dtype: a torch.dtype, its name, or "auto".
+def _flash_attn_aligns_keys_end() -> bool:
+    """flash-attn >= 2.1 aligns a causal mask with the end of longer keys; 2.0 with their start (no signature
+    shows it: its changelog and docstrings do)."""
+    import flash_attn
+    from packaging.version import Version
 
-    "auto" takes the checkpoint's dtype on a CUDA machine (as transformers does), except fp16 for a
-    family known to overflow in it, which gets bf16 (fp32 where the GPU has no bf16). On a CPU-only
-    machine "auto" takes bf16 where the CPU multiplies bf16 natively (AVX512-BF16 or AMX), else fp32.
+    return Version(flash_attn.__version__) >= Version("2.1")
+
+
+def resolve_dtype(model_kwargs: dict[str, Any], config, device_type: str) -> torch.dtype:
+    """sentence-transformers' model_kwargs dtype: a torch.dtype, its name, or "auto", for a model on `device_type`.
+
+    "auto" takes the checkpoint's dtype on a CUDA device (as transformers does), except fp16 for a family known
+    to overflow in it, which gets bf16 (fp32 where the GPU has no bf16). On a CPU "auto" takes bf16 where the CPU
+    multiplies bf16 natively (AVX512-BF16 or AMX), else fp32, whether or not the machine also has a GPU.
     """
     asked = model_kwargs.get("dtype", model_kwargs.get("torch_dtype")) or torch.float32
     dtype = asked
     if asked == "auto":
-        if torch.cuda.is_available():
+        if device_type == "cuda":
             dtype = getattr(config, "dtype", None) or torch.float32
         else:
             dtype = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-            logger.info(f'dtype="auto" on a CPU-only machine: {dtype} (native bf16: {cpu_has_native_bf16()})')
+            logger.info(f'dtype="auto" on the CPU: {dtype} (native bf16: {cpu_has_native_bf16()})')
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise UnsupportedModelError(f"dtype {dtype!r}")
@@ -132,7 +160,7 @@ def resolve_dtype(model_kwargs: dict[str, Any], config) -> torch.dtype:
         if asked != "auto":
             logger.warning(f"{why}. Running in float16 as asked.")
             return dtype
-        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+        dtype = torch.bfloat16 if device_type != "cuda" or torch.cuda.is_bf16_supported() else torch.float32
         logger.warning(f'{why}. dtype="auto" takes {dtype} instead; pass dtype=torch.float16 to insist.')
     return dtype
 

@@ -62,7 +62,7 @@ class PackedTransformer(InputModule):
         check_tokenizer_files(self.folder)  # before minutes of loading a large model
         self.model = build_engine(config)
         device = load_device(model_kwargs.get("device_map"))
-        load_weights(self.model, self.folder, device, resolve_dtype(model_kwargs, config))
+        load_weights(self.model, self.folder, device, resolve_dtype(model_kwargs, config, device.type))
         self.config = config
         self.onednn_copies = device.type == "cpu" and onednn.copies_fit(self.model)  # else PyTorch's products
         self.compiled_seams: bool | None = None  # True/False: on or off; None: fused.on_by_default for the device
