@@ -44,7 +44,11 @@ def add_embed_corpus(commands, formatter_class) -> None:
     corpus.add_argument("--shard-rows", type=_positive, default=10_000, help="rows per output shard")
     corpus.add_argument("--output-dtype", default="float32", choices=("float32", "float16"), help="of the embeddings")
     corpus.add_argument("--skip-invalid", action="store_true",
-                        help="list rows whose text is null or not a string in rejects.parquet, not stop")  # fmt: skip
+                        help="list rows whose id or text is null, or whose text is not a string, in rejects.parquet, "
+                             "not stop")  # fmt: skip
+    corpus.add_argument("--skip-duplicate-ids", action="store_true",
+                        help="list every row whose id other rows have too in rejects.parquet (none of them embedded), "
+                             "not stop")  # fmt: skip
     ray = corpus.add_argument_group("Ray Data (pip install st_fastbackend[ray])")
     ray.add_argument("--ray", action="store_true", help="run the job as a Ray Data pipeline")
     ray.add_argument("--ray-address", default=None, help="a running cluster; default: start Ray on this machine")
@@ -58,22 +62,37 @@ def add_embed_corpus(commands, formatter_class) -> None:
 
 
 def embed_corpus(args: argparse.Namespace) -> None:
+    from st_fastbackend.corpus_guard import folder_lock
+    from st_fastbackend.corpus_identity import output_width
     from st_fastbackend.corpus_io import Columns, CorpusError, input_files, scan_input
-    from st_fastbackend.corpus_output import JobSpec, OutputFolder, model_name
 
     if importlib.util.find_spec("pyarrow") is None:
         raise CliError("embed-corpus reads and writes through pyarrow: pip install pyarrow")
     _check_ray_options(args)
     check_model(args.model)
     try:
-        scan = scan_input(input_files(args.input), Columns(args.id_column, args.text_column), not args.skip_invalid)
-        spec = JobSpec(model_name(args.model), scan.fingerprint, args.id_column, args.text_column, args.prompt,
-                       args.prompt_name, args.output_dtype, args.max_seq_length)  # fmt: skip
-        folder = OutputFolder(args.output_dir, spec)
-        done = folder.prepare()
-        (_run_ray if args.ray else _run_local)(args, scan, folder, done)
+        scan = scan_input(input_files(args.input), Columns(args.id_column, args.text_column), not args.skip_invalid,
+                          not args.skip_duplicate_ids)  # fmt: skip
+        folder = _output_folder(args, scan)
+        with folder_lock(folder.path):  # held until the job ends: one job per folder
+            rejected = 0 if scan.rejects is None else scan.rejects.num_rows
+            done = folder.prepare(scan.rows - rejected, output_width(args.model))
+            for line in folder.untrusted:
+                print(f"st-fastbackend: warning: {line}", file=sys.stderr)
+            (_run_ray if args.ray else _run_local)(args, scan, folder, done)
     except CorpusError as error:
         raise CliError(str(error)) from error
+
+
+def _output_folder(args: argparse.Namespace, scan):
+    """The folder with the identity of this job: everything its rows depend on."""
+    from st_fastbackend.corpus_identity import model_identity
+    from st_fastbackend.corpus_output import JobSpec, OutputFolder, model_name
+
+    spec = JobSpec(model_name(args.model), model_identity(args.model), scan.fingerprint, args.id_column,
+                   args.text_column, args.prompt, args.prompt_name, args.output_dtype, args.max_seq_length, args.dtype,
+                   args.matmul_precision)  # fmt: skip
+    return OutputFolder(args.output_dir, spec)
 
 
 def _check_ray_options(args: argparse.Namespace) -> None:

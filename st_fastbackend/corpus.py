@@ -13,7 +13,15 @@ import pyarrow as pa
 import torch
 from tqdm.auto import tqdm
 
-from st_fastbackend.corpus_io import Columns, CorpusError, InputScan, in_shards, read_batches, still_to_embed
+from st_fastbackend.corpus_io import (
+    Columns,
+    CorpusError,
+    InputScan,
+    ids_to_skip,
+    in_shards,
+    read_batches,
+    still_to_embed,
+)
 from st_fastbackend.corpus_output import OutputFolder, new_run_name
 from st_fastbackend.embedder import Embedder
 from st_fastbackend.modules.tokenizer import NoTokensError
@@ -49,9 +57,10 @@ class TextEmbedder:
 
 def pending_rows(scan: InputScan, columns: Columns, done: pa.Array | None) -> Iterator[pa.RecordBatch]:
     """The input's rows that can be embedded and are not in a complete shard yet, in input order."""
+    skip = ids_to_skip(scan, done)
     for path in scan.files:
         for batch in read_batches(path, columns, python_json=path in scan.python_json):
-            batch = still_to_embed(batch, columns, done)
+            batch = still_to_embed(batch, columns, skip)
             if len(batch):
                 yield batch
 

@@ -1,7 +1,8 @@
 """The corpus job's input: parquet files, a folder of them, JSON Lines or CSV, read through pyarrow a record batch
 at a time (never the whole corpus in memory), as two columns, the id and the text. One scan before any
-embedding counts the rows, finds the rows that cannot be embedded (a null text, a text that is not a string) and
-fingerprints the files, so a bad row stops the job before anything is written."""
+embedding counts the rows, finds the rows that cannot be embedded (a null id or text, a text that is not a string,
+an id given to several rows: corpus_ids.py) and hashes every file's bytes, so a bad row stops the job before anything
+is written and a resume knows the input is the one its shards were embedded from."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pyarrow.compute as pc
 
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".ndjson": "json", ".json": "json", ".csv": "csv"}
 BATCH_ROWS = 8192
-FINGERPRINT_BYTES = 1 << 16  # hashed at each end of every file, with its name and size
+HASH_CHUNK = 1 << 20
 
 
 class CorpusError(Exception):
@@ -35,7 +36,8 @@ class InputScan:
     rows: int
     rejects: pa.Table | None  # the id column, file, row (within its file), reason; None: no rejects
     python_json: frozenset[Path]  # JSON Lines files pyarrow refuses (a text of another type): read with json
-    fingerprint: str
+    fingerprint: str  # of every file's name and bytes
+    repeated: pa.Array | None  # ids given to more than one row (all those rows are rejects); None: none
 
 
 def input_files(source: str) -> tuple[Path, ...]:
@@ -125,12 +127,19 @@ def invalid_rows(batch: pa.RecordBatch | pa.Table, text_column: str) -> tuple[pa
     return pc.is_null(texts), "its text is null"
 
 
-def still_to_embed(batch: pa.RecordBatch | pa.Table, columns: Columns, done: pa.Array | None):
-    """The rows of `batch` with a text to embed whose id no complete shard holds."""
-    keep = pc.invert(invalid_rows(batch, columns.text)[0])
-    if done is not None:
-        keep = pc.and_(keep, pc.invert(pc.is_in(batch.column(columns.id), value_set=done)))
+def still_to_embed(batch: pa.RecordBatch | pa.Table, columns: Columns, skip: pa.Array | None):
+    """The rows of `batch` with an id and a text to embed whose id is not in `skip` (ids_to_skip)."""
+    keep = pc.and_(pc.invert(invalid_rows(batch, columns.text)[0]), pc.is_valid(batch.column(columns.id)))
+    if skip is not None:
+        keep = pc.and_(keep, pc.invert(pc.is_in(batch.column(columns.id), value_set=skip)))
     return batch.filter(keep)
+
+
+def ids_to_skip(scan: InputScan, done: pa.Array | None) -> pa.Array | None:
+    """The ids no row of this run embeds: those a complete shard holds, and those given to several rows."""
+    if done is None or scan.repeated is None:
+        return scan.repeated if done is None else done
+    return pa.concat_arrays([done, scan.repeated.cast(done.type)])
 
 
 def in_shards(batches: Iterator[pa.RecordBatch], shard_rows: int) -> Iterator[pa.Table]:
@@ -159,51 +168,73 @@ def is_string(type_: pa.DataType) -> bool:
     return pa.types.is_string(type_) or pa.types.is_large_string(type_) or pa.types.is_string_view(type_)
 
 
-def scan_input(files: tuple[Path, ...], columns: Columns, stop_at_invalid: bool) -> InputScan:
-    """Rows and rejects of every file; with `stop_at_invalid`, CorpusError at the first bad row."""
-    rows, rejects, python_json = 0, [], set()
+def scan_input(files: tuple[Path, ...], columns: Columns, stop_at_invalid: bool,
+               stop_at_repeated: bool = True) -> InputScan:  # fmt: skip
+    """Rows, rejects and a hash of every file's bytes; CorpusError at the first bad row with `stop_at_invalid`, at
+    an id given to several rows with `stop_at_repeated`."""
+    from st_fastbackend.corpus_ids import repeated_ids
+
+    rows, rejects, python_json, ids, digest = 0, [], set(), [], hashlib.sha256()
     for path in files:
-        try:
-            found, count = _scan_file(path, columns, stop_at_invalid, python_json=False)
-        except pa.ArrowInvalid as error:
-            if FORMATS[path.suffix] != "json" or "changed from" not in str(error):
-                raise CorpusError(f"cannot read {path}: {error}") from error
-            python_json.add(path)
-            found, count = _scan_file(path, columns, stop_at_invalid, python_json=True)
+        found, count, file_ids, sha256 = _scan_readable(path, columns, stop_at_invalid, python_json)
         rows += count
         rejects += found
-    table = pa.concat_tables(rejects, promote_options="permissive") if rejects else None
-    return InputScan(files, rows, table, frozenset(python_json), fingerprint(files))
+        ids.append(file_ids)
+        digest.update(f"{path.name}\0{count}\0{sha256}\0".encode())
+    repeated, found = repeated_ids(files, ids, columns.id, stop_at_repeated, rejects)
+    table = pa.concat_tables(rejects + found, promote_options="permissive") if rejects or found else None
+    table = None if table is None else table.sort_by([("file", "ascending"), ("row", "ascending")])
+    return InputScan(files, rows, table, frozenset(python_json), digest.hexdigest()[:32], repeated)
 
 
-def _scan_file(path: Path, columns: Columns, stop: bool, python_json: bool) -> tuple[list[pa.Table], int]:
-    found, row = [], 0
+def _scan_readable(path: Path, columns: Columns, stop: bool, python_json: set[Path]):
+    """_scan_file's rejects, rows and ids, and the file's sha256; a JSON Lines file pyarrow refuses is read again
+    with json (and added to `python_json`). A file that cannot be read is a CorpusError naming it."""
+    try:
+        try:
+            found, rows, ids = _scan_file(path, columns, stop, python_json=False)
+        except pa.ArrowInvalid as error:
+            if FORMATS[path.suffix] != "json" or "changed from" not in str(error):
+                raise
+            python_json.add(path)
+            found, rows, ids = _scan_file(path, columns, stop, python_json=True)
+        return found, rows, ids, sha256_of_file(path)
+    except (pa.ArrowException, OSError, ValueError) as error:  # ValueError: not UTF-8, not JSON
+        raise CorpusError(f"cannot read {path}: {str(error).strip().splitlines()[0]}") from error
+
+
+def _scan_file(path: Path, columns: Columns, stop: bool, python_json: bool):
+    """The file's rejects (a null id, or a text that cannot be embedded), rows, and id columns."""
+    found, row, ids = [], 0, []
     for batch in read_batches(path, columns, python_json):
-        mask, reason = invalid_rows(batch, columns.text)
-        reason = "its text is null or not a string" if python_json else reason
-        bad = pc.indices_nonzero(mask)
-        if len(bad) and stop:
-            row_id = batch.column(columns.id)[bad[0].as_py()].as_py()
+        text_bad, text_reason = invalid_rows(batch, columns.text)
+        text_reason = "its text is null or not a string" if python_json else text_reason
+        id_bad = pc.is_null(batch.column(columns.id))
+        bad = pc.or_(id_bad, text_bad)
+        if stop and pc.any(bad).as_py():
+            first = pc.index(bad, True).as_py()
             raise CorpusError(
-                f"row {columns.id}={row_id!r} of {path} (row {row + bad[0].as_py()}): {reason}; "
+                f"row {columns.id}={batch.column(columns.id)[first].as_py()!r} of {path} (row {row + first}): "
+                f"{'its id is null' if id_bad[first].as_py() else text_reason}; "
                 "fix it, or pass --skip-invalid to list such rows in rejects.parquet"
             )
-        if len(bad):
-            ids = batch.column(columns.id).take(bad)
-            where = {"file": pa.array([str(path)] * len(bad)), "row": pc.add(bad.cast(pa.int64()), row)}
-            found.append(pa.table({columns.id: ids, **where, "reason": pa.array([reason] * len(bad))}))
+        for mask, reason in ((id_bad, "its id is null"), (pc.and_(text_bad, pc.invert(id_bad)), text_reason)):
+            if pc.any(mask).as_py():
+                found.append(_rejects(batch, columns.id, path, row, mask, reason))
+        ids.append(batch.column(columns.id))
         row += len(batch)
-    return found, row
+    return found, row, ids
 
 
-def fingerprint(files: tuple[Path, ...]) -> str:
-    """Names, sizes and both ends of every file: a different corpus in the same place is told apart at once."""
+def _rejects(batch, id_column: str, path: Path, first_row: int, mask: pa.BooleanArray, reason: str) -> pa.Table:
+    bad = pc.indices_nonzero(mask)
+    where = {"file": pa.array([str(path)] * len(bad)), "row": pc.add(bad.cast(pa.int64()), first_row)}
+    return pa.table({id_column: batch.column(id_column).take(bad), **where, "reason": pa.array([reason] * len(bad))})
+
+
+def sha256_of_file(path: Path) -> str:
     digest = hashlib.sha256()
-    for path in files:
-        size = path.stat().st_size
-        digest.update(f"{path.name}\0{size}\0".encode())
-        with open(path, "rb") as file:
-            digest.update(file.read(FINGERPRINT_BYTES))
-            file.seek(max(0, size - FINGERPRINT_BYTES))
-            digest.update(file.read(FINGERPRINT_BYTES))
-    return digest.hexdigest()[:16]
+    with open(path, "rb") as file:
+        while chunk := file.read(HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()

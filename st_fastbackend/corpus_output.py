@@ -1,13 +1,17 @@
-"""The corpus job's output folder: parquet shards (the id column and `embedding`), rejects.parquet, and
-manifest.json written last.
+"""The corpus job's output folder: parquet shards (the id column and `embedding`), a record of each one's size and
+sha256, rejects.parquet, and manifest.json written last.
 
-A shard is written under a hidden temporary name and renamed when complete, so a file named part-*.parquet is
-always whole; a run killed at any moment leaves only temporary files, removed by the next run. Every shard
-carries the job's identity (model, input fingerprint, columns, prompt, dtype) in its Parquet metadata: a rerun
-skips the ids the complete shards hold, and a rerun of another job into the same folder is refused."""
+A shard is written under a hidden temporary name and renamed when complete, its record (.part-*.parquet.json)
+written just before, so a run killed at any moment leaves only temporary files and records without a shard,
+removed by the next run. A resume trusts a shard only when its size and sha256 are those recorded: a shard
+corrupted, truncated or emptied since (a disk, a copy, a power loss after the rename) is moved aside and its rows
+embedded again. Every shard carries the job's identity (the model's files, the input's bytes, columns, prompt,
+dtypes) in its Parquet metadata: a resume skips the ids the good shards hold, and another job's folder is refused.
+The job holds the folder's lock (corpus_guard.py) from before it reads the folder until it ends."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -20,26 +24,32 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from st_fastbackend import __version__
-from st_fastbackend.corpus_io import CorpusError, InputScan
+from st_fastbackend.corpus_guard import check_free_space, check_writable, write_file
+from st_fastbackend.corpus_io import CorpusError, InputScan, sha256_of_file
 
 METADATA_KEY = b"st_fastbackend"
 MANIFEST = "manifest.json"
 REJECTS = "rejects.parquet"
 OUTPUT_DTYPES = {"float32": np.float32, "float16": np.float16}
+NO_RECORD = "no size and sha256 were recorded for it"
+CHANGED = {"model_identity": "the model's files changed", "input_fingerprint": "the input's content changed"}
 
 
 @dataclass(frozen=True)
 class JobSpec:
-    """What makes two runs the same job: a rerun must match it to add to a folder."""
+    """What makes two runs the same job, everything the rows depend on: a rerun must match it to add to a folder."""
 
     model: str  # a local folder's absolute path, or a Hub id as given
-    input_fingerprint: str
+    model_identity: str  # corpus_identity.model_identity: the weights, config, tokenizer, pooling
+    input_fingerprint: str  # every input file's name and bytes
     id_column: str
     text_column: str
     prompt: str | None
     prompt_name: str | None
     output_dtype: str
     max_seq_length: int | None
+    dtype: str | None  # --dtype
+    matmul_precision: str | None  # bf16 products give other numbers than fp32 ones
 
 
 def model_name(model: str) -> str:
@@ -55,57 +65,118 @@ def new_run_name() -> str:
 class OutputFolder:
     def __init__(self, path: str | Path, spec: JobSpec) -> None:
         self.path, self.spec = Path(path), spec
+        self.untrusted: list[str] = []  # what prepare() found bad and moved aside, one line each
 
     def shards(self) -> list[Path]:
         return sorted(self.path.glob("part-*.parquet"))
 
-    def prepare(self) -> pa.Array | None:
-        """Create the folder, drop the temporary files of a killed run, refuse another job's folder; the ids
-        the complete shards already hold (None: none)."""
-        if self.path.exists() and not self.path.is_dir():
-            raise CorpusError(f"output {self.path} is a file, not a folder")
-        self.path.mkdir(parents=True, exist_ok=True)
-        for temporary in self.path.glob(".*.tmp"):
-            temporary.unlink()
+    def record(self, shard: Path) -> Path:
+        return shard.with_name(f".{shard.name}.json")
+
+    def prepare(self, rows: int, width: int | None) -> pa.Array | None:
+        """With the folder's lock held: drop a killed run's temporary files, check the folder takes files, refuse
+        another job's folder, move aside the shards that cannot be trusted, check there is room for the `rows`
+        (the input's, less rejects) the good shards do not hold at `width` values each. Those shards' ids (None:
+        none)."""
+        for leftover in [*self.path.glob(".*.tmp"), *self._records_without_shard()]:
+            leftover.unlink()
+        check_writable(self.path)
         self._check_manifest()
-        done = []
-        for shard in self.shards():
-            self._check_same_job(shard, pq.read_schema(shard).metadata or {})
-            done.append(pq.read_table(shard, columns=[self.spec.id_column]).column(0))
-        return pa.concat_arrays([chunk for column in done for chunk in column.chunks]) if done else None
+        verdicts = [(shard, self._verify(shard)) for shard in self.shards()]
+        for shard, why in verdicts:  # refuse another job's folder before moving anything
+            if why is None or why == NO_RECORD:
+                self._check_same_job(shard)
+        bad = [(shard, why) for shard, why in verdicts if why is not None]
+        for shard, why in bad:
+            aside = self._move_aside(shard)
+            self.untrusted.append(f"{shard} cannot be trusted ({why}): moved to {aside}, its rows are embedded again")
+        if bad and (self.path / MANIFEST).exists():
+            (self.path / MANIFEST).unlink()  # the job is not complete until those rows are embedded again
+        done = [self._ids(shard) for shard, why in verdicts if why is None]
+        done = pa.concat_arrays([chunk for column in done for chunk in column.chunks]) if done else None
+        check_free_space(self.path, rows - (0 if done is None else len(done)), width, self.spec.output_dtype)
+        return done
+
+    def _records_without_shard(self) -> list[Path]:
+        """Records of shards a killed run did not rename into place."""
+        records = self.path.glob(".part-*.parquet.json")
+        return [record for record in records if not (self.path / record.name[1 : -len(".json")]).exists()]
+
+    def _verify(self, shard: Path) -> str | None:
+        """Why `shard` cannot be trusted, or None: its size and sha256 are the ones recorded when it was written."""
+        try:
+            record = json.loads(self.record(shard).read_text())
+            size, sha256 = record["bytes"], record["sha256"]
+        except FileNotFoundError:
+            return NO_RECORD
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            return f"its record {self.record(shard).name} is unreadable: {type(error).__name__}"
+        if shard.stat().st_size != size:
+            return f"{shard.stat().st_size} bytes, {size} were written"
+        if sha256_of_file(shard) != sha256:
+            return "its sha256 is not the one recorded when it was written"
+        return None
+
+    def _move_aside(self, path: Path) -> str:
+        """Kept for a look, under a name no run reads; its record goes."""
+        aside = path.with_name(f".{path.name}.bad")
+        os.replace(path, aside)
+        self.record(path).unlink(missing_ok=True)
+        return aside.name
+
+    def _ids(self, shard: Path) -> pa.ChunkedArray:
+        try:
+            return pq.read_table(shard, columns=[self.spec.id_column]).column(0)
+        except (pa.ArrowException, OSError) as error:  # its bytes are those written: a shard this job cannot read
+            raise CorpusError(f"cannot read {shard}: {str(error).strip().splitlines()[0]}") from error
 
     def _check_manifest(self) -> None:
         manifest = self.path / MANIFEST
-        if manifest.is_file():
-            recorded = json.loads(manifest.read_text()).get("job", {})
-            self._refuse_if_different(recorded, MANIFEST)
+        if not manifest.is_file():
+            return
+        try:
+            recorded = json.loads(manifest.read_text())["job"]
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            aside = self._move_aside(manifest)
+            self.untrusted.append(f"{manifest} is unreadable ({type(error).__name__}): moved to {aside}, rewritten")
+            return
+        self._refuse_if_different(recorded, MANIFEST)
 
-    def _check_same_job(self, shard: Path, metadata: dict) -> None:
+    def _check_same_job(self, shard: Path) -> None:
+        try:
+            metadata = pq.read_schema(shard).metadata or {}
+        except (pa.ArrowException, OSError):
+            return  # unreadable: not trusted (it has no record), moved aside
         if METADATA_KEY not in metadata:
             raise CorpusError(f"{shard} was not written by st-fastbackend embed-corpus: use an empty output folder")
-        self._refuse_if_different(json.loads(metadata[METADATA_KEY])["job"], shard.name)
+        try:
+            recorded = json.loads(metadata[METADATA_KEY])["job"]
+        except (ValueError, KeyError, TypeError):
+            return  # damaged metadata of a shard without a record: moved aside
+        self._refuse_if_different(recorded, shard.name)
 
     def _refuse_if_different(self, recorded: dict, where: str) -> None:
         ours = asdict(self.spec)
         differs = [key for key in ours if recorded.get(key) != ours[key]]
         if differs:
-            what = "; ".join(f"{key} {recorded.get(key)!r} there, {ours[key]!r} now" for key in differs)
+            what = "; ".join(f"{key} {recorded.get(key)!r} there, {ours[key]!r} now" + (
+                f" ({CHANGED[key]})" if key in CHANGED else "") for key in differs)  # fmt: skip
             raise CorpusError(
-                f"{self.path} holds the output of another job ({where}: {what}): resume it with the same "
-                "model, input and options, or write to another folder"
+                f"{self.path} holds the output of another job ({where}: {what}): resume it with the same model, "
+                f"input and options, or start over in an empty folder (remove {self.path}, or write to another one)"
             )
 
     def write_shard(self, name: str, ids: pa.Array, rows: np.ndarray) -> None:
-        """ids and their embeddings [n, dim] as one complete file: written under a temporary name, then renamed."""
+        """ids and their embeddings [n, dim] as one complete file, its size and sha256 recorded beside it first."""
         values = pa.array(rows.astype(OUTPUT_DTYPES[self.spec.output_dtype]).reshape(-1))
         embedding = pa.FixedSizeListArray.from_arrays(values, rows.shape[1])
         table = pa.table({self.spec.id_column: ids, "embedding": embedding})
-        self.write_atomically(table.replace_schema_metadata(self.metadata(rows.shape[1])), name)
-
-    def write_atomically(self, table: pa.Table, name: str) -> None:
-        temporary = self.path / f".{name}.tmp"
-        pq.write_table(table, temporary)
-        os.replace(temporary, self.path / name)
+        sink = pa.BufferOutputStream()
+        pq.write_table(table.replace_schema_metadata(self.metadata(rows.shape[1])), sink)
+        data = sink.getvalue()
+        record = {"rows": len(ids), "bytes": data.size, "sha256": hashlib.sha256(data).hexdigest()}
+        write_file(self.record(self.path / name), json.dumps(record).encode() + b"\n")
+        write_file(self.path / name, data)
 
     def metadata(self, dimension: int) -> dict[bytes, bytes]:
         record = {"job": asdict(self.spec), "dimension": dimension, "st_fastbackend": __version__}
@@ -114,20 +185,19 @@ class OutputFolder:
     def finish(self, scan: InputScan, dimension: int, prompt: str | None) -> dict:
         """rejects.parquet (if any), then the manifest, last: the job is complete."""
         if scan.rejects is not None:
-            self.write_atomically(scan.rejects, REJECTS)
+            sink = pa.BufferOutputStream()
+            pq.write_table(scan.rejects, sink)
+            write_file(self.path / REJECTS, sink.getvalue())
         elif (self.path / REJECTS).exists():
             (self.path / REJECTS).unlink()
-        shards = self.shards()
-        embedded = sum(pq.read_metadata(shard).num_rows for shard in shards)
+        shards = [{"name": shard.name, **json.loads(self.record(shard).read_text())} for shard in self.shards()]
         rejected = 0 if scan.rejects is None else scan.rejects.num_rows
         manifest = {
             "model": self.spec.model, "dimension": dimension, "dtype": self.spec.output_dtype,
             "id_column": self.spec.id_column, "prompt": prompt,
-            "rows": {"input": scan.rows, "embedded": embedded, "rejected": rejected},
+            "rows": {"input": scan.rows, "embedded": sum(shard["rows"] for shard in shards), "rejected": rejected},
             "input": {"files": [str(path) for path in scan.files], "fingerprint": scan.fingerprint},
-            "shards": [shard.name for shard in shards], "job": asdict(self.spec), "st_fastbackend": __version__,
+            "shards": shards, "job": asdict(self.spec), "st_fastbackend": __version__,
         }  # fmt: skip
-        temporary = self.path / f".{MANIFEST}.tmp"
-        temporary.write_text(json.dumps(manifest, indent=2) + "\n")
-        os.replace(temporary, self.path / MANIFEST)
+        write_file(self.path / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
         return manifest

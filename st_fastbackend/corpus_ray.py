@@ -19,7 +19,7 @@ import ray.data
 from ray.data.block import BlockAccessor
 from ray.data.datasource import Datasink
 
-from st_fastbackend.corpus_io import FORMATS, Columns, InputScan, in_shards, read_batches, still_to_embed
+from st_fastbackend.corpus_io import FORMATS, Columns, InputScan, ids_to_skip, in_shards, read_batches, still_to_embed
 from st_fastbackend.corpus_output import OutputFolder, new_run_name
 from st_fastbackend.integrations.ray import ROWS_PER_CALL, embed_dataset
 
@@ -59,7 +59,8 @@ def pending_dataset(scan: InputScan, columns: Columns, done: pa.Array | None) ->
     """The rows still to embed, in blocks of at most one actor call's rows: a file of one large row group is
     one block, which would go to one actor whole while the others wait (the split runs in the read task)."""
     ds = read_dataset(scan, columns)
-    ds = ds.map_batches(still_to_embed, batch_format="pyarrow", fn_kwargs=dict(columns=columns, done=done))
+    skip = ids_to_skip(scan, done)
+    ds = ds.map_batches(still_to_embed, batch_format="pyarrow", fn_kwargs=dict(columns=columns, skip=skip))
     return ds.repartition(target_num_rows_per_block=ROWS_PER_CALL)
 
 

@@ -25,8 +25,11 @@ def write_parquet(path: Path, ids: list, texts: list) -> Path:
     return path
 
 
-def write_jsonl(path: Path, ids: list, texts: list) -> Path:
-    rows = ({"id": row_id, "text": text, "lang": "xx"} for row_id, text in zip(ids, texts, strict=True))
+def write_jsonl(path: Path, ids: list, texts: list, padding: int = 0) -> Path:
+    """`padding`: characters of another column in every row, for a large file of few rows."""
+    rows = (
+        {"id": row_id, "text": text, "lang": "xx" + "x" * padding} for row_id, text in zip(ids, texts, strict=True)
+    )
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
 
@@ -50,6 +53,15 @@ def read_output(folder: Path, id_column: str = "id") -> tuple[list, np.ndarray]:
     embedding = table.column("embedding").combine_chunks()
     rows = np.asarray(embedding.flatten()).reshape(len(ids), embedding.type.list_size)
     return ids, rows
+
+
+def flip_embedding_bytes(shard: Path) -> None:
+    """The bytes of the shard's first four embedding values inverted in place: the file still reads, with other
+    numbers (Parquet keeps float data as it is, so their bytes are in the file)."""
+    data = shard.read_bytes()
+    first = pq.read_table(shard).column("embedding")[0].values.to_numpy()[:4].tobytes()
+    where = data.index(first)
+    shard.write_bytes(data[:where] + bytes(byte ^ 0xFF for byte in first) + data[where + len(first) :])
 
 
 def by_id(ids: list, rows: np.ndarray) -> dict:

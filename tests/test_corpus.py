@@ -101,23 +101,33 @@ def test_rerun_adds_only_the_missing_shards(folder, texts, expected, tmp_path):
     assert max(np.abs(got[row_id] - expected[i]).max() for i, row_id in enumerate(ids)) < TOLERANCE
 
 
-def test_resume_after_sigkill(folder, texts, expected, tmp_path):
-    """A subprocess killed as soon as its first shard exists; the rerun completes the job, no id twice."""
+def test_one_job_per_folder_and_resume_after_sigkill(folder, texts, expected, tmp_path, capsys):
+    """A subprocess job killed as soon as its first shard exists. While it runs, a second job on its folder is
+    refused in one line naming the folder and the first job's pid (the trial: both finished, every id twice); once
+    it is killed the OS has dropped its lock, and the rerun completes the job, no id twice."""
     ids = list(range(240))  # 80 shards of 3: the job runs for seconds after its first shard appears
     write_parquet(tmp_path / "in.parquet", ids, [texts[i % len(texts)] for i in ids])
-    command = [sys.executable, "-m", "st_fastbackend.cli", "embed-corpus", str(tmp_path / "in.parquet"),
-               str(tmp_path / "out"), "--model", str(folder), "--shard-rows", "3"]  # fmt: skip
+    arguments = [tmp_path / "in.parquet", tmp_path / "out", "--model", folder, "--shard-rows", "3"]
+    command = [sys.executable, "-m", "st_fastbackend.cli", "embed-corpus", *map(str, arguments)]
     job = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while not list((tmp_path / "out").glob("part-*.parquet")) and job.poll() is None and time.monotonic() < deadline:
         time.sleep(0.002)
-    os.kill(job.pid, signal.SIGKILL)
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            embed_corpus(*arguments)
+        assert job.poll() is None, "the first job ended before the second one was tried"
+    finally:
+        os.kill(job.pid, signal.SIGKILL)
     job.wait()
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_.value.code == 2
+    assert f"output folder {tmp_path / 'out'} is in use by another embed-corpus job (pid {job.pid}, " in error
     assert job.returncode == -signal.SIGKILL, job.stderr.read().decode()[-2000:]
     assert not (tmp_path / "out" / "manifest.json").exists()
     first_ids, _ = read_output(tmp_path / "out")
     assert 0 < len(first_ids) < len(ids)
-    embed_corpus(tmp_path / "in.parquet", tmp_path / "out", "--model", folder, "--shard-rows", "3")
+    embed_corpus(*arguments)
     got = by_id(*read_output(tmp_path / "out"))
     assert sorted(got) == ids and not list((tmp_path / "out").glob(".*.tmp"))
     assert max(np.abs(got[i] - expected[i % len(texts)]).max() for i in ids) < TOLERANCE
