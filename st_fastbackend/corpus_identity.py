@@ -72,15 +72,19 @@ def output_width(model: str) -> int | None:
     transformer's hidden_size (what pooling keeps); None for a Hub id or a folder that says neither."""
     folder = Path(model).expanduser()
     width = _read_json(folder / "config.json").get("hidden_size")
-    modules = _read_json(folder / "modules.json")
+    modules = _read_json(folder / "modules.json", [])
     for module in modules if isinstance(modules, list) else []:
-        if str(module.get("type", "")).endswith("Dense"):
-            width = _read_json(folder / module.get("path", "") / "config.json").get("out_features", width)
-    return width if isinstance(width, int) else None
+        if isinstance(module, dict) and str(module.get("type", "")).endswith("Dense"):
+            width = _read_json(folder / str(module.get("path", "")) / "config.json").get("out_features", width)
+    return width if isinstance(width, int) and width > 0 else None
 
 
-def _read_json(path: Path) -> dict | list:
+def _read_json(path: Path, default=None):
+    """The file's JSON (a dict unless `default` says otherwise); the default for a missing or broken file (a Hub
+    id, or a file the model load names)."""
+    default = {} if default is None else default
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):  # a Hub id's folder, or a file the model load will name
-        return {}
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return default
+    return found if isinstance(found, type(default)) else default
