@@ -21,6 +21,7 @@ from st_fastbackend.cli import (
     load_model,
 )
 from st_fastbackend.cli_io import CliError
+from st_fastbackend.integrations.ray_pool import STALL_TIMEOUT, PoolError, worker_gpus
 
 HELP = "embed a corpus (parquet, JSON Lines, CSV) into parquet shards, resumably; --ray runs it on Ray Data"
 
@@ -55,9 +56,14 @@ def add_embed_corpus(commands, formatter_class) -> None:
     ray.add_argument("--num-workers", type=_positive, default=None,
                      help="actors, each with its own model; default: on this machine's CPUs one per --cpus-per-worker "
                           "(1) as memory allows, else 1")  # fmt: skip
-    ray.add_argument("--gpus-per-worker", type=float, default=0, help="GPUs per actor")
+    ray.add_argument("--gpus-per-worker", type=float, default=None,
+                     help="GPUs per actor (a fraction shares one); default: 1 where --device, else this machine's "
+                          "device, is CUDA, else 0")  # fmt: skip
     ray.add_argument("--cpus-per-worker", type=float, default=None,
                      help="CPUs (torch threads) per actor; default: this host's split, 1 on a cluster")  # fmt: skip
+    ray.add_argument("--stall-timeout", type=float, default=None,
+                     help="seconds without output while tasks wait for resources before the job fails naming them "
+                          f"(default {STALL_TIMEOUT:g})")  # fmt: skip
     corpus.add_argument("--debug", action="store_true", help="show the traceback behind an error")
 
 
@@ -96,12 +102,19 @@ def _output_folder(args: argparse.Namespace, scan):
 
 
 def _check_ray_options(args: argparse.Namespace) -> None:
-    given = [f"--{name.replace('_', '-')}" for name in ("ray_address", "num_workers", "cpus_per_worker")
-             if getattr(args, name) is not None] + (["--gpus-per-worker"] if args.gpus_per_worker else [])  # fmt: skip
+    names = ("ray_address", "num_workers", "cpus_per_worker", "gpus_per_worker", "stall_timeout")
+    given = [f"--{name.replace('_', '-')}" for name in names if getattr(args, name) is not None]
     if given and not args.ray:
         raise CliError(f"{', '.join(given)} need --ray")
     if args.ray and importlib.util.find_spec("ray") is None:
         raise CliError("--ray needs Ray Data: pip install 'st_fastbackend[ray]'")
+    if args.stall_timeout is not None and not args.stall_timeout > 0:
+        raise CliError(f"--stall-timeout must be positive seconds, got {args.stall_timeout:g}")
+    if args.ray:  # before the model loads: a CUDA device with no GPU per actor cannot load in any of them
+        try:
+            worker_gpus(args.gpus_per_worker, args.device)
+        except PoolError as error:
+            raise CliError(str(error)) from error
 
 
 def _run_local(args, scan, folder, done) -> None:
@@ -132,7 +145,9 @@ def _run_ray(args, scan, folder, done) -> None:
         on_cpu = (args.device or get_device_name()).startswith("cpu")  # a copy per CPU would not fit a GPU
         workers, cpus = layout_here(args.model, on_cpu, args.num_workers, args.cpus_per_worker)
     start_ray(args.ray_address, cpus * workers)
-    options = dict(num_workers=workers, gpus_per_worker=args.gpus_per_worker, cpus_per_worker=cpus,
+    gpus = worker_gpus(args.gpus_per_worker, args.device)  # checked in _check_ray_options
+    options = dict(num_workers=workers, gpus_per_worker=gpus, cpus_per_worker=cpus,
+                   stall_timeout=args.stall_timeout or STALL_TIMEOUT,
                    load_kwargs=_load_kwargs(args), matmul_precision=args.matmul_precision, prompt=args.prompt,
                    prompt_name=args.prompt_name, batch_size=args.batch_size,
                    max_tokens_per_batch=args.max_tokens_per_batch)  # fmt: skip
@@ -141,6 +156,8 @@ def _run_ray(args, scan, folder, done) -> None:
     context.raise_original_map_exception = True  # a worker's error arrives as it raised it, under Ray's `cause`
     try:
         rows, tokens, seconds = run_ray(scan, folder, done, args.model, options, args.shard_rows)
+    except PoolError as error:  # a pool this cluster cannot run, refused before any task
+        raise CliError(str(error)) from error
     except Exception as error:  # one line (the worker's own error where there is one); --debug shows it whole
         if args.debug:
             raise

@@ -169,13 +169,13 @@ def test_local_layout_one_single_thread_actor_per_cpu_as_memory_allows():
 
 def test_ray_cli_lays_out_its_own_ray_by_device(folder, tmp_path, monkeypatch):
     """The Ray the CLI starts on this machine: on the CPU an actor per CPU (this small model fits), on a GPU
-    device one actor with every CPU; an address or a Ray already started: one actor of one CPU."""
+    device one actor with every CPU and a GPU; an address or a Ray already started: one actor of one CPU."""
     import st_fastbackend.corpus_ray as corpus_ray
 
     layouts = []
 
     def stop(scan, output, done, model, options, shard_rows):
-        layouts.append((options["num_workers"], options["cpus_per_worker"]))
+        layouts.append((options["num_workers"], options["cpus_per_worker"], options["gpus_per_worker"]))
         raise RuntimeError("stopped before running")
 
     monkeypatch.setattr(corpus_ray, "start_ray", lambda address, cpus: None)
@@ -189,4 +189,156 @@ def test_ray_cli_lays_out_its_own_ray_by_device(folder, tmp_path, monkeypatch):
             main([*arguments, "--device", device])
     with pytest.raises(SystemExit):
         main([*arguments, "--device", "cpu"])  # this module's Ray
-    assert layouts == [(4, 1), (1, 4), (1, 1)]
+    assert layouts == [(4, 1, 0), (1, 4, 1), (1, 1, 0)]
+
+
+def test_the_docstring_example_runs_on_two_cpus(folder, texts, tmp_path, caplog):
+    """The README's example (embed_dataset's docstring's, with text_column and batch_size) as written on this
+    2-CPU cluster, num_workers=2: the two actors reserve half a CPU each, leaving one to the read and write
+    tasks, and the job ends with encode()'s embeddings. Two actors of a whole CPU each left the read task none
+    and waited for ever (issue 35)."""
+    from st_fastbackend.integrations.ray import embed_dataset
+
+    (tmp_path / "corpus").mkdir()
+    pq.write_table(pa.table({"id": list(range(len(texts))), "text": texts}), tmp_path / "corpus" / "part.parquet")
+    with caplog.at_level("INFO", "st_fastbackend"):
+        ds = ray.data.read_parquet(str(tmp_path / "corpus"))
+        ds = embed_dataset(ds, str(folder), text_column="text", num_workers=2, prompt="passage: ", batch_size=64)
+    assert caplog.messages == ["embed_dataset: 2 actors reserve 0.5 CPU each (torch threads: 1), leaving 1 of the "
+                               "Ray cluster's 2 CPUs to read and write"]  # fmt: skip
+    ds.write_parquet(str(tmp_path / "embeddings"))
+    table = pq.read_table(tmp_path / "embeddings").sort_by("id")
+    got = np.asarray(table.column("embedding").combine_chunks().flatten()).reshape(len(texts), -1)
+    want = SentenceTransformer(str(folder), backend="fast", device="cpu").encode(texts, prompt="passage: ")
+    assert table.column("id").to_pylist() == list(range(len(texts))) and np.abs(got - want).max() < TOLERANCE
+
+
+def test_a_pool_larger_than_the_cluster_is_refused(folder, texts, tmp_path, capsys):
+    """More workers than the cluster's CPUs is refused before anything runs, naming the CPUs, the actors and the
+    read tasks' need, from Python and from the CLI (one line, exit status 2)."""
+    from st_fastbackend.integrations.ray import embed_dataset
+    from st_fastbackend.integrations.ray_pool import PoolError
+
+    refusal = ("num_workers=3 (--num-workers): 3 actors of 1 CPU need 3 CPUs and Ray Data's read tasks 1 more, "
+               "but the Ray cluster has 2 CPUs; ask for fewer workers or cpus_per_worker")  # fmt: skip
+    with pytest.raises(PoolError) as error:
+        embed_dataset(ray.data.from_items([{"text": "a"}]), str(folder), num_workers=3)
+    assert str(error.value) == refusal
+    write_jsonl(tmp_path / "in.jsonl", ["a"], ["a text"])
+    with pytest.raises(SystemExit) as exit_:
+        main(["embed-corpus", str(tmp_path / "in.jsonl"), str(tmp_path / "out"), "--model", str(folder), "--ray",
+              "--num-workers", "3"])  # fmt: skip
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"st-fastbackend: error: {refusal}"
+
+
+def test_fit_pool_leaves_a_cpu_to_read_and_write():
+    from st_fastbackend.integrations.ray_pool import Pool, PoolError, fit_pool
+
+    assert fit_pool(None, 1, 0, 8, 0) == Pool(None, 7, 1, 0)  # Ray grows the pool up to 7 of 8
+    assert fit_pool(None, 2, 0, 8, 0) == Pool(None, 3, 2, 0)
+    assert fit_pool(None, 4, 0, 4, 0) == Pool(1, None, 3, 0)  # one actor of 4 threads reserving 3 CPUs
+    assert fit_pool(3, 1, 0, 8, 0) == Pool(3, None, 1, 0)  # fits beside the read tasks: as asked
+    assert fit_pool(4, 2, 0, 8, 0) == Pool(4, None, 1.75, 0)  # every CPU: a part of one each
+    assert fit_pool(2, 0, 1, 2, 2) == Pool(2, None, 0, 1)  # actors that reserve no CPU
+    assert fit_pool(None, 1, 1, 16, 2) == Pool(None, 2, 1, 1)  # as many as the GPUs hold
+    assert fit_pool(4, 1, 0.5, 16, 2) == Pool(4, None, 1, 0.5)
+    for workers, cpus, gpus, cluster, refusal in [
+        (5, 2, 0, (8, 0), "5 actors of 2 CPU need 10 CPUs and Ray Data's read tasks 1 more, but the Ray cluster "
+                          "has 8 CPUs"),
+        (None, 1, 0, (1, 0), "the Ray cluster has 1 CPU: none is left for the actors beside Ray Data's read tasks"),
+        (3, 1, 1, (8, 2), "3 actors of 1 GPU (gpus_per_worker, --gpus-per-worker) need 3 GPUs, but the Ray "
+                          "cluster has 2"),
+        (None, 1, 1, (8, 0), "1 actor of 1 GPU (gpus_per_worker, --gpus-per-worker) need 1 GPUs, but the Ray "
+                             "cluster has 0"),
+    ]:  # fmt: skip
+        with pytest.raises(PoolError, match=refusal.replace("(", "\\(").replace(")", "\\)")):
+            fit_pool(workers, cpus, gpus, *cluster)
+
+
+def test_a_stall_ends_the_job_naming_what_waits(folder, texts, tmp_path):
+    """Another job holds one of the two CPUs, the actor the other: the read task can never start. The job ends
+    after stall_timeout seconds without output, naming the operator that waits and the resources."""
+    from st_fastbackend.integrations.ray import embed_dataset
+    from st_fastbackend.integrations.ray_stall import PipelineStalled
+
+    @ray.remote(num_cpus=1)
+    class Other:
+        def ready(self) -> bool:
+            return True
+
+    other = Other.remote()
+    ray.get(other.ready.remote())
+    try:
+        pq.write_table(pa.table({"id": [0, 1], "text": texts[:2]}), tmp_path / "in.parquet")
+        ds = embed_dataset(ray.data.read_parquet(str(tmp_path / "in.parquet")), str(folder), num_workers=1,
+                           stall_timeout=3)  # fmt: skip
+        with pytest.raises(PipelineStalled) as error:
+            ds.take_all()
+    finally:
+        ray.kill(other)
+    message = str(error.value)
+    assert message.startswith("no rows out for 3s while ") and " waits for 1 CPU" in message, message
+    assert "the Ray cluster has 2 CPU (0 CPU free); this job asks for " in message
+    assert "MapBatches(EmbedBatches) 1 CPU" in message and message.endswith("raise stall_timeout (--stall-timeout)")
+
+
+def test_worker_gpus_by_device(monkeypatch):
+    """One GPU per actor where the model runs on CUDA (the device asked for, else the driver's); a CUDA device
+    with no GPU per actor, or a CPU device with GPUs, is refused."""
+    from st_fastbackend.integrations.ray_pool import PoolError, worker_gpus
+
+    assert worker_gpus(None, None) == 0 and worker_gpus(None, "cpu") == 0  # no GPU here
+    assert worker_gpus(None, "cuda") == 1 and worker_gpus(None, "cuda:0") == 1 and worker_gpus(0.5, "cuda") == 0.5
+    assert worker_gpus(2, None) == 2 and worker_gpus(0, None) == 0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the driver on a GPU host
+    assert worker_gpus(None, None) == 1 and worker_gpus(None, "cpu") == 0 and worker_gpus(0, None) == 0
+    hidden = "^device 'cuda' with no GPU per worker: Ray hides the GPUs from an actor that holds none; give each one"
+    with pytest.raises(PoolError, match=hidden + ", e.g. gpus_per_worker=1 \\(--gpus-per-worker 1\\)$"):
+        worker_gpus(0, "cuda")
+    with pytest.raises(PoolError, match="^device 'cpu' with gpus_per_worker=1 \\(--gpus-per-worker\\): the actors "):
+        worker_gpus(1, "cpu")
+
+
+def test_a_cuda_device_gets_a_gpu_per_actor(folder, tmp_path, capsys):
+    """embed_dataset and the CLI: load_kwargs' / --device cuda with no GPU per worker is refused before the model
+    loads; left out, one GPU per actor, which this cluster (no GPU) cannot hold: refused too, not a wait."""
+    from st_fastbackend.integrations.ray import embed_dataset
+    from st_fastbackend.integrations.ray_pool import PoolError
+
+    ds = ray.data.from_items([{"text": "a"}])
+    with pytest.raises(PoolError, match="^device 'cuda' with no GPU per worker"):
+        embed_dataset(ds, str(folder), load_kwargs={"device": "cuda"}, gpus_per_worker=0)
+    with pytest.raises(PoolError, match="^1 actor of 1 GPU .* need 1 GPUs, but the Ray cluster has 0$"):
+        embed_dataset(ds, str(folder), load_kwargs={"device": "cuda"})
+    write_jsonl(tmp_path / "in.jsonl", ["a"], ["a text"])
+    arguments = ["embed-corpus", str(tmp_path / "in.jsonl"), str(tmp_path / "out"), "--model", str(folder), "--ray"]
+    for extra, refusal in [(["--gpus-per-worker", "0"], "device 'cuda' with no GPU per worker"),
+                           ([], "1 actor of 1 GPU (gpus_per_worker, --gpus-per-worker) need 1 GPUs")]:  # fmt: skip
+        with pytest.raises(SystemExit) as exit_:
+            main([*arguments, "--device", "cuda", *extra])
+        assert exit_.value.code == 2 and refusal in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("part-*"))
+
+
+def test_a_share_of_a_gpu_sizes_the_token_budget_on_that_share(monkeypatch):
+    """Two actors of gpus_per_worker=0.5 see the same free memory: each sizes its budget on its half of the GPU,
+    less what it holds already; a whole GPU (or none) keeps the model's own budget. CUDA's memory readings are
+    stand-ins here (no GPU on this machine)."""
+    from types import SimpleNamespace
+
+    from st_fastbackend.engine.schedule import cuda_max_tokens
+    from st_fastbackend.integrations.ray import share_budget
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (60 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 6 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 4 * gib)  # its weights
+    config, cuda = SimpleNamespace(hidden_size=4096, intermediate_size=14336), torch.device("cuda")
+    per_token = 4 * (4096 + 14336) * 2
+    assert cuda_max_tokens(config, torch.float16, cuda) == 62 * gib // 2 // per_token  # free + cached, halved
+    assert cuda_max_tokens(config, torch.float16, cuda, share=0.5) == (40 - 4) * gib // 2 // per_token
+    assert share_budget(config, torch.float16, cuda, 0.5) == (40 - 4) * gib // 2 // per_token
+    assert share_budget(config, torch.float16, cuda, 1) is None
+    assert share_budget(config, torch.float16, cuda, 0) is None
+    assert share_budget(config, torch.float16, torch.device("cpu"), 0.5) is None

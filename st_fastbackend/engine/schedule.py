@@ -79,11 +79,16 @@ def default_max_tokens(config, dtype: torch.dtype, device: torch.device) -> int:
     return cuda_max_tokens(config, dtype, device) if device.type == "cuda" else CPU_TOKENS
 
 
-def cuda_max_tokens(config, dtype: torch.dtype, device: torch.device, fraction: float = 0.5) -> int:
+def cuda_max_tokens(
+    config, dtype: torch.dtype, device: torch.device, fraction: float = 0.5, share: float = 1.0
+) -> int:
     """Tokens per pack whose activations fit in `fraction` of the GPU memory still free. Per token, a
     layer holds at most about 4 x (hidden + intermediate) values at once (hidden states and their norm,
-    fused q/k/v, fused gate/up with the activation and its product); attention kernels add O(tokens)."""
-    free, _ = torch.cuda.mem_get_info(device)
+    fused q/k/v, fused gate/up with the activation and its product); attention kernels add O(tokens).
+    `share`: the part of the GPU this process holds (a Ray actor of gpus_per_worker=0.5): the others on it
+    see the same free memory, so this one counts at most its part of the total, less what it already holds."""
+    free, total = torch.cuda.mem_get_info(device)
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # cached by PyTorch
+    free = min(free, int(share * total) - torch.cuda.memory_allocated(device))
     per_token = 4 * (config.hidden_size + config.intermediate_size) * dtype.itemsize
     return max(MIN_GPU_TOKENS, int(free * fraction) // per_token)
