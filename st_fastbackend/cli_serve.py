@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 from pathlib import Path
 
 from st_fastbackend.cli import describe, load_model
@@ -18,8 +19,6 @@ logger = logging.getLogger("st_fastbackend.serve")
 
 def serve(args: argparse.Namespace) -> None:
     check_port(args.host, args.port)  # before the model loads, which may take minutes
-    import uvicorn
-
     from st_fastbackend.serve.app import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)-9s %(name)s: %(message)s")
@@ -44,10 +43,27 @@ def serve(args: argparse.Namespace) -> None:
         f"Serving {name!r} ({args.model}): dimension {model.get_embedding_dimension()}, {describe(model)}, "
         f"{budget} tokens per batch, {max_input_tokens} tokens per input, at http://{args.host}:{args.port}"
     )
+    run_server(app, args)
+
+
+def run_server(app, args: argparse.Namespace) -> None:
+    """uvicorn.run, plus: after a device failure the server stops and the process exits with status 1, for
+    a supervisor to restart it (the CUDA context of this process is unusable)."""
+    import uvicorn
+
     # uvicorn handles SIGTERM: stop accepting, let in-flight requests finish, run the app's shutdown. Then it
     # re-raises the signal under the handler that was there before; a no-op one makes the exit status 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=not args.no_access_log)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            access_log=not args.no_access_log)  # fmt: skip
+    server = uvicorn.Server(config)
+    app.state.batcher.on_failure = lambda failure: setattr(server, "should_exit", True)
+    server.run()
+    if not server.started:
+        sys.exit(3)  # uvicorn.run's status for a start-up that failed (the warm-up request, say)
+    if (failure := app.state.batcher.failure) is not None:
+        logger.error(f"Exiting with status 1, for a supervisor to restart the server: {failure}")
+        sys.exit(1)
 
 
 def check_port(host: str, port: int) -> None:

@@ -22,11 +22,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(folder, *extra: str) -> tuple[subprocess.Popen, str]:
+def start_server(folder, *extra: str, launcher: tuple[str, ...] = ("-m", "st_fastbackend.cli"),
+                 env: dict | None = None) -> tuple[subprocess.Popen, str]:  # fmt: skip
+    """`launcher`: the Python arguments before the CLI's (a `-c` script may patch the package first)."""
     port = free_port()
-    command = [sys.executable, "-m", "st_fastbackend.cli", "serve", str(folder), "--port", str(port),
-               "--served-model-name", "tiny", "--device", DEVICE, *extra]  # fmt: skip
-    process = subprocess.Popen(command, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    command = [sys.executable, *launcher, "serve", str(folder), "--port", str(port), "--served-model-name", "tiny",
+               "--device", DEVICE, *extra]  # fmt: skip
+    process = subprocess.Popen(command, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while time.time() < deadline:

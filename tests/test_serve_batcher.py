@@ -3,12 +3,14 @@
 import json
 import random
 import shutil
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
 import pytest
+import torch
 from builders import WORDS
 from helpers import DEVICE
 from safetensors.torch import load_file, save_file
@@ -146,7 +148,8 @@ def test_long_texts_hold_up_no_one_and_embed_as_encode_does(server, model):
 )
 def test_clip_text_keeps_the_tokens_truncation_keeps(model, text):
     tokenizer, limit = model[0].texts, 24
-    clipped = clip_text(text, limit, lambda prefix: len(tokenizer.encode([prefix], max_length=limit + 1)[0]), 2)
+    count = lambda prefix: len(tokenizer.encode([prefix], max_length=limit + 1)[0])  # noqa: E731
+    clipped = clip_text(text, limit, count, 2, max_chars=len(text))
     assert len(clipped) < len(text)
     assert tokenizer.encode([clipped], max_length=limit) == tokenizer.encode([text], max_length=limit)
 
@@ -162,5 +165,86 @@ def test_clip_text_with_a_wordpiece_tokenizer():
         return tokenizer(value, truncation=True, max_length=limit)["input_ids"]
 
     for limit in (16, 128, 256):
-        clipped = clip_text(text, limit, lambda prefix, limit=limit: len(ids(prefix, limit + 1)))
+        clipped = clip_text(text, limit, lambda prefix, limit=limit: len(ids(prefix, limit + 1)), max_chars=len(text))
         assert len(clipped) < len(text) and ids(clipped, limit) == ids(text, limit)
+
+
+# Two ways PyTorch reports a CUDA error: torch.AcceleratorError (>= 2.8), a RuntimeError saying so (older).
+DEVICE_ERRORS = {
+    "AcceleratorError": "torch.AcceleratorError('CUDA error: an illegal memory access was encountered')",
+    "RuntimeError": "RuntimeError('CUDA error: device-side assert triggered')",
+}
+# Runs `st-fastbackend serve` with the model's forward raising ERROR once the file FAIL_AFTER names exists.
+FAILING_FORWARD = """
+import os, sys, torch
+from st_fastbackend.modules import PackedTransformer
+forward = PackedTransformer.forward
+def failing(self, features, **kwargs):
+    if os.path.exists(os.environ["FAIL_AFTER"]):
+        raise ERROR
+    return forward(self, features, **kwargs)
+PackedTransformer.forward = failing
+from st_fastbackend.cli import main
+main(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize("kind", DEVICE_ERRORS)
+def test_after_a_device_error_the_cli_answers_503_and_exits_1(served_folder, kind, tmp_path):
+    """A CUDA error poisons the process: no rerun request by request, a 503, and the server exits with 1."""
+    flag = tmp_path / "fail"
+    launcher = ("-c", FAILING_FORWARD.replace("ERROR", DEVICE_ERRORS[kind]))
+    process, url = start_server(served_folder, launcher=launcher, env={"FAIL_AFTER": str(flag)})
+    try:
+        assert httpx.post(f"{url}/v1/embeddings", json={"input": "before"}, timeout=60).status_code == 200
+        flag.touch()  # one request only: the server stops listening at once, so a later one may find no port
+        response = httpx.post(f"{url}/v1/embeddings", json={"input": ["one", "two"]}, timeout=60)
+        assert response.status_code == 503
+        error = response.json()["error"]
+        assert error["type"] == "server_error" and f"The device failed ({kind}: CUDA error: " in error["message"]
+        assert process.wait(60) == 1
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_health_says_unhealthy_once_the_device_failed(served_folder, monkeypatch):
+    """In-process, with uvicorn on loopback and no CLI to stop it: /health stays 503 with the error, and every
+    request, the one whose forward failed and those after it, is a 503."""
+    uvicorn = pytest.importorskip("uvicorn")
+    from serving import free_port
+
+    from st_fastbackend.modules import PackedTransformer
+    from st_fastbackend.serve.app import create_app
+
+    failing, forward = threading.Event(), PackedTransformer.forward
+
+    def maybe_failing(self, features, **kwargs):
+        if failing.is_set():
+            raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+        return forward(self, features, **kwargs)
+
+    monkeypatch.setattr(PackedTransformer, "forward", maybe_failing)
+    model = SentenceTransformer(str(served_folder), backend="fast", device=DEVICE)
+    app = create_app(model, "tiny", max_tokens_per_batch=8192, max_batch_size=64, max_input_tokens=256)
+    stopped = []
+    app.state.batcher.on_failure = stopped.append
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+        failing.set()
+        assert httpx.post(f"{url}/v1/embeddings", json={"input": "x"}, timeout=60).status_code == 503
+        health = httpx.get(f"{url}/health")
+        assert health.status_code == 503 and health.json()["status"] == "unhealthy"
+        assert "AcceleratorError: CUDA error: an illegal memory access" in health.json()["error"]
+        assert httpx.post(f"{url}/v1/embeddings", json={"input": "y"}, timeout=60).status_code == 503
+        assert len(stopped) == 1
+    finally:
+        server.should_exit = True
+        thread.join(60)

@@ -3,8 +3,10 @@ without tokenizer files, do_lower_case, e5-mistral's BOS/EOS flags; and reading 
 text when it will be truncated anyway.
 
 A tokenizer reads the whole text before it truncates: an 8 MB string costs seconds even with a limit of
-256 tokens. `clip_text` finds a prefix of the text that already holds more than the limit's tokens, cut
-where whitespace begins, so the truncated token ids are those of the full text.
+256 tokens, and a text without whitespace holds as many tokens as it has characters (1.95 million `!` are
+1.95 million WordPiece tokens, gigabytes of them). `clip_text` finds a prefix of the text that already holds
+more than the limit's tokens, cut where whitespace begins or where the tokenizer's last word begins, so the
+truncated token ids are those of the full text, and never reads more than a bound of characters.
 """
 
 from __future__ import annotations
@@ -23,23 +25,41 @@ logger = logging.getLogger(__name__)
 _WHITESPACE = re.compile(r"\s")
 
 
-def clip_text(text: str, max_tokens: int, count: Callable[[str], int], chars_per_token: int = 8) -> str:
-    """A prefix of `text` whose first `max_tokens` tokens are the text's own, or `text` itself.
+def clip_text(
+    text: str,
+    max_tokens: int,
+    count: Callable[[str], int],
+    chars_per_token: int = 8,
+    *,
+    max_chars: int,
+    word_start: Callable[[str], int] | None = None,
+) -> str | None:
+    """A prefix of `text` whose first `max_tokens` tokens are the text's own; `text` itself when it has at
+    most `max_chars` characters; None when its first `max_chars` characters show no such prefix (the text
+    is then too long to truncate within the bound). No callback ever sees more than `max_chars` characters.
 
     `count(prefix)` is the number of tokens of `prefix` as the caller tokenizes it (with its prompt and
-    special tokens) truncated at `max_tokens + 1`. Pre-tokenizers split at whitespace, so a prefix that
-    ends where whitespace begins has the full text's tokens, except maybe its last one (a trailing-space
-    rule); a prefix with more than `max_tokens` tokens therefore truncates to the full text's first
-    `max_tokens`. The prefix grows 4x per try from `chars_per_token * max_tokens` characters, so the
-    work stays proportional to what is kept; a text with no whitespace to cut at is returned whole.
+    special tokens) truncated at `max_tokens + 1`; `word_start(prefix)` is where the tokenizer's last word
+    of `prefix` begins (`last_word_start`). A tokenizer works word by word, so a prefix cut where a word
+    begins (where whitespace begins, or where the pre-tokenizer starts its last word) has the full text's
+    tokens up to that word; one with more than `max_tokens` tokens therefore truncates to the full text's
+    first `max_tokens`. The prefix grows 4x per try from `chars_per_token * max_tokens` characters, so the
+    work stays proportional to what is kept.
     """
     chars = chars_per_token * max_tokens
-    while chars < len(text):
-        prefix = cut_at_whitespace(text, chars)
-        if prefix and count(prefix) > max_tokens:
+    while True:
+        window = min(chars, max_chars)
+        if window >= len(text):
+            return text
+        if (prefix := cut_at_whitespace(text, window)) and count(prefix) > max_tokens:
             return prefix
+        if word_start is not None:  # no whitespace late enough, as in "!!!...": cut at the last word
+            prefix = text[: word_start(text[:window])]
+            if count(prefix) > max_tokens:
+                return prefix
+        if window == max_chars:
+            return None
         chars *= 4
-    return text
 
 
 def cut_at_whitespace(text: str, max_chars: int) -> str:
@@ -48,6 +68,19 @@ def cut_at_whitespace(text: str, max_chars: int) -> str:
     window = text[max_chars::-1]  # the first max_chars + 1 characters, backwards
     found = _WHITESPACE.search(window)
     return text[: len(window) - 1 - found.start()].rstrip() if found else ""
+
+
+def last_word_start(tokenizer: PreTrainedTokenizerBase, text: str) -> int:
+    """Where the last word of `text` begins, as the tokenizer's pre-tokenizer splits it (BERT's splits at
+    every punctuation mark, so "!!!" is three words); 0 for a text of one word or of no token. Words before
+    it are tokenized as in any longer text that starts with `text`."""
+    encoded = tokenizer(text, add_special_tokens=False, truncation=False, return_offsets_mapping=True,
+                        return_attention_mask=False, return_token_type_ids=False)  # fmt: skip
+    words = encoded.word_ids()
+    if not words:
+        return 0
+    first = words.index(words[-1])  # the first token of the last word
+    return encoded["offset_mapping"][first][0]
 
 
 def check_texts(inputs: list) -> None:

@@ -30,7 +30,9 @@ def create_app(
     limits: Limits | None = None,
     public_metrics: bool = False,
 ) -> FastAPI:
-    """`model`: a SentenceTransformer loaded with backend="fast"."""
+    """`model`: a SentenceTransformer loaded with backend="fast". After a device failure (serve/batcher.py)
+    every request is a 503 and /health says unhealthy; `app.state.batcher.on_failure` is then called, from
+    the worker's thread (the CLI stops the server with it)."""
     limits, metrics, embedder = limits or Limits(), Metrics(), Embedder(model)
     batcher = Batcher(embedder, max_tokens_per_batch, max_batch_size, metrics, dynamic_batching)
     tokenizer = RequestTokenizer(embedder, max_input_tokens)

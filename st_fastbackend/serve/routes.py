@@ -45,6 +45,8 @@ def routes(served: Served) -> APIRouter:
 
     @router.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with HEAD
     async def health() -> Response:
+        if served.batcher.failure is not None:  # the server is on its way out, to be restarted
+            return JSONResponse({"status": "unhealthy", "error": str(served.batcher.failure)}, status_code=503)
         return JSONResponse({"status": "ok" if served.ready else "loading"}, status_code=200 if served.ready else 503)
 
     @router.get("/metrics")
@@ -75,7 +77,7 @@ async def _embed(served: Served, body: EmbeddingRequest, request: Request) -> li
     if body.model is not None and body.model != served.name:
         raise ApiError(404, f"The model {body.model!r} does not exist; this server serves {served.name!r}.",
                        code="model_not_found")  # fmt: skip
-    texts, token_ids = request_inputs(body.input, served.max_batch_size, served.limits.max_request_chars)
+    texts, token_ids = request_inputs(body.input, served.max_batch_size, served.limits.max_request_chars, body.prompt)
     if body.dimensions is not None and body.dimensions > served.embedder.dimension:
         raise ApiError(400, f"dimensions={body.dimensions} exceeds the model's {served.embedder.dimension}.")
     prompt = _prompt(served.embedder, body)

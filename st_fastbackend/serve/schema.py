@@ -28,8 +28,11 @@ class EmbeddingRequest(BaseModel):
     prompt: str | None = None
 
 
-def request_inputs(value, max_inputs: int, max_chars: int) -> tuple[list[str] | None, list[list[int]] | None]:
-    """(texts, None) or (None, token id lists), after the checks that need no tokenizer."""
+def request_inputs(
+    value, max_inputs: int, max_chars: int, prompt: str | None = None
+) -> tuple[list[str] | None, list[list[int]] | None]:
+    """(texts, None) or (None, token id lists), after the checks that need no tokenizer. The request's
+    `prompt` counts towards `max_chars` with its inputs."""
     if isinstance(value, str):
         value = [value]
     if not value:
@@ -44,8 +47,8 @@ def request_inputs(value, max_inputs: int, max_chars: int) -> tuple[list[str] | 
         return None, value
     if any(text == "" for text in value):
         raise ApiError(400, "input contains an empty string.")
-    if (chars := sum(map(len, value))) > max_chars:
-        message = f"{chars} characters of input in one request; the limit is {max_chars}."
+    if (chars := sum(map(len, value)) + len(prompt or "")) > max_chars:
+        message = f"{chars} characters of input and prompt in one request; the limit is {max_chars}."
         raise ApiError(413, message, code="request_too_large")
     for index, text in enumerate(value):
         check_unicode(text, f"Input {index}")

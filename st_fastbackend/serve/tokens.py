@@ -1,18 +1,38 @@
 """A request's token ids, computed on a thread of their own: off the event loop, and off the worker that
-runs the model, so a long text delays no one's forward pass. One thread, because a Hugging Face fast
-tokenizer keeps its truncation setting in shared state and must not run in two threads at once."""
+runs the model. One thread, because a Hugging Face fast tokenizer keeps its truncation setting in shared
+state and must not run in two threads at once. What one request may cost it is bounded twice:
+
+- no text is read past `max_chars` characters (`max_text_chars`), with or without whitespace in it;
+- a request's texts go to the thread in chunks of about CHUNK_CHARS characters, each chunk its own task.
+  The thread runs tasks in the order they come, so another request's tokenization waits for one chunk of
+  this one at most (milliseconds), not for all of it.
+"""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from st_fastbackend.embedder import Embedder
-from st_fastbackend.modules.tokenizer import clip_text
+from st_fastbackend.modules.tokenizer import NoTokensError, clip_text, last_word_start
+
+# Characters tokenized per task. At the worst rate measured (a text of one WordPiece token per character,
+# ~3 us a character in all-MiniLM-L6-v2's tokenizer on the 2-core EPYC) a chunk takes under 0.1 s.
+CHUNK_CHARS = 32_768
+# A token covers at most the vocabulary's longest token of a text; whitespace between tokens and the word a
+# cut leaves out are allowed three times as much again.
+SLACK = 4
 
 
 class InputError(ValueError):
     """The request's own fault (too long, no tokens, ids outside the vocabulary): answered with 400."""
+
+
+def max_text_chars(tokenizer, max_input_tokens: int) -> int:
+    """The characters of an input the server reads at most: SLACK x max_input_tokens x the vocabulary's
+    longest token (18 characters for all-MiniLM-L6-v2: 18,432 characters at 256 tokens)."""
+    return SLACK * max_input_tokens * max(map(len, tokenizer.get_vocab()))
 
 
 class RequestTokenizer:
@@ -20,6 +40,8 @@ class RequestTokenizer:
         self.embedder = embedder
         self.limit = max_input_tokens
         self.vocab_size = embedder.vocab_size
+        self.longest_token = max(map(len, embedder.texts.tokenizer.get_vocab()))
+        self.max_chars = max_text_chars(embedder.texts.tokenizer, max_input_tokens)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     async def __call__(
@@ -28,15 +50,33 @@ class RequestTokenizer:
         """Token ids for texts (with the prompt), or the client's own ids checked; cut at the input limit
         where `truncate`, else InputError for an input over it."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.pool, self._token_ids, texts, token_ids, prompt, truncate)
+        if token_ids is not None:
+            return await loop.run_in_executor(self.pool, self._checked, token_ids, truncate)
+        if prompt and len(prompt) > self.max_chars:  # never truncated: pooling and prefix use all its tokens
+            raise InputError(f"The prompt has {len(prompt):,} characters; the limit is {self.max_chars:,}"
+                             f" ({self._bound()}).")  # fmt: skip
+        if prompt and (alone := await loop.run_in_executor(self.pool, self._prompt_alone, prompt, truncate)):
+            return [list(alone) for _ in texts]
+        ids = []
+        for first, chunk in self._chunks(texts, prompt):
+            ids += await loop.run_in_executor(self.pool, self._tokenized, chunk, prompt, truncate, first)
+        return ids
 
     def close(self) -> None:
         self.pool.shutdown()
 
-    def _token_ids(self, texts, token_ids, prompt, truncate) -> list[list[int]]:
-        if token_ids is not None:
-            return self._checked(token_ids, truncate)
-        return self._tokenized(texts, prompt, truncate)
+    def _bound(self) -> str:
+        return f"{SLACK} x --max-input-tokens {self.limit} x {self.longest_token}, the vocabulary's longest token"
+
+    def _chunks(self, texts: list[str], prompt: str | None) -> Iterator[tuple[int, list[str]]]:
+        """(position of the first, texts) with about CHUNK_CHARS characters to tokenize each."""
+        first, size = 0, 0
+        for index, text in enumerate(texts):
+            if index > first and size >= CHUNK_CHARS:
+                yield first, texts[first:index]
+                first, size = index, 0
+            size += min(len(text), self.max_chars) + len(prompt or "")
+        yield first, texts[first:]
 
     def _checked(self, token_ids: list[list[int]], truncate: bool) -> list[list[int]]:
         for index, seq in enumerate(token_ids):
@@ -45,16 +85,45 @@ class RequestTokenizer:
             self._check_length(index, seq, truncate)
         return [seq[: self.limit] for seq in token_ids]
 
-    def _tokenized(self, texts: list[str], prompt: str | None, truncate: bool) -> list[list[int]]:
+    def _prompt_alone(self, prompt: str, truncate: bool) -> list[int] | None:
+        """The token ids of every input when the prompt alone has more than the limit's tokens before its
+        last word (which an input may continue): computed once for the request. None otherwise."""
+        before_last = prompt[: last_word_start(self.embedder.texts.tokenizer, prompt)]
+        if self._count(before_last, None, self.limit + 1) <= self.limit:
+            return None
+        if not truncate:
+            raise InputError(f"The prompt alone has more than {self.limit} tokens and truncate is false.")
+        return self._tokenize([before_last], None, self.limit)[0]
+
+    def _tokenized(self, texts: list[str], prompt: str | None, truncate: bool, first: int) -> list[list[int]]:
         # One token past the limit tells "too long" apart from "exactly at the limit".
         over = self.limit + 1
-        texts = [clip_text(text, self.limit, lambda prefix: self._count(prefix, prompt, over)) for text in texts]
-        ids = self._tokenize(texts, prompt, over)
-        too_long = [i for i, seq in enumerate(ids) if self._check_length(i, seq, truncate)]
+        texts = [self._clipped(first + i, text, prompt) for i, text in enumerate(texts)]
+        ids = self._tokenize(texts, prompt, over, first)
+        too_long = [i for i, seq in enumerate(ids) if self._check_length(first + i, seq, truncate)]
         if too_long:  # tokenized again at the limit: special tokens at the end stay, as in encode()
-            for i, seq in zip(too_long, self._tokenize([texts[i] for i in too_long], prompt, self.limit), strict=True):
+            again = self._tokenize([texts[i] for i in too_long], prompt, self.limit, first)
+            for i, seq in zip(too_long, again, strict=True):
                 ids[i] = seq
         return ids
+
+    def _clipped(self, index: int, text: str, prompt: str | None) -> str:
+        """The text, or a prefix of it with the same first `limit` tokens; InputError if none is found in
+        its first max_chars characters."""
+        offset = len(prompt or "")
+
+        def word_start(prefix: str) -> int:
+            return max(0, last_word_start(self.embedder.texts.tokenizer, (prompt or "") + prefix) - offset)
+
+        count = lambda prefix: self._count(prefix, prompt, self.limit + 1)  # noqa: E731
+        clipped = clip_text(text, self.limit, count, max_chars=self.max_chars, word_start=word_start)
+        if clipped is None:
+            raise InputError(
+                f"Input {index} ({len(text):,} characters) cannot be cut at {self.limit} tokens within its first "
+                f"{self.max_chars:,} characters: they hold too few tokens, or no word ends after {self.limit} of "
+                f"them. The server reads at most {self.max_chars:,} characters of an input ({self._bound()})."
+            )
+        return clipped
 
     def _check_length(self, index: int, seq: list[int], truncate: bool) -> bool:
         if len(seq) > self.limit and not truncate:
@@ -64,9 +133,12 @@ class RequestTokenizer:
     def _count(self, text: str, prompt: str | None, max_length: int) -> int:
         return self.embedder.texts.count(text, prompt, max_length)
 
-    def _tokenize(self, texts: list[str], prompt: str | None, max_length: int) -> list[list[int]]:
-        """encode()'s tokenization (prompt, special tokens, no-token check) at a length limit."""
+    def _tokenize(self, texts: list[str], prompt: str | None, max_length: int, first: int = 0) -> list[list[int]]:
+        """encode()'s tokenization (prompt, special tokens, no-token check) at a length limit; `first`
+        numbers the texts in errors."""
         try:
             return self.embedder.tokenize(texts, prompt, max_length)
+        except NoTokensError as error:
+            raise InputError(str(NoTokensError(first + error.index, error.text))) from error
         except ValueError as error:
             raise InputError(str(error)) from error
