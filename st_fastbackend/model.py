@@ -68,12 +68,26 @@ class SentenceTransformer(sentence_transformers.SentenceTransformer):
         module_class = super()._load_module_class_from_ref(class_ref, *args, **kwargs)
         return FAST_MODULES.get(module_class, module_class) if self.backend == "fast" else module_class
 
-    def _load_default_modules(self, model_name_or_path: str, **kwargs) -> tuple[list, dict]:
-        """A bare Hugging Face checkpoint: last-token pooling for causal LMs, mean otherwise (as plain ST)."""
+    def _load_default_modules(
+        self, model_name_or_path: str, token, cache_folder, revision=None, trust_remote_code=False,
+        local_files_only=False, model_kwargs=None, processor_kwargs=None, config_kwargs=None,
+    ) -> tuple[list, dict]:  # fmt: skip
+        """A bare Hugging Face checkpoint, built as plain sentence-transformers builds it: the Transformer from its
+        constructor (sentence_bert_config.json is not read on this path, so max_seq_length is the tokenizer's,
+        capped at the positions), last-token pooling for causal LMs, mean otherwise."""
         if self.backend != "fast":
-            return super()._load_default_modules(model_name_or_path, **kwargs)
-        cache_folder = kwargs.pop("cache_folder", None)
-        transformer = PackedTransformer.load(model_name_or_path, cache_folder=cache_folder, **kwargs)
+            return super()._load_default_modules(
+                model_name_or_path, token, cache_folder, revision, trust_remote_code, local_files_only,
+                model_kwargs, processor_kwargs, config_kwargs,
+            )  # fmt: skip
+        shared = {"token": token, "trust_remote_code": trust_remote_code, "revision": revision,
+                  "local_files_only": local_files_only, "cache_dir": cache_folder}  # fmt: skip
+        transformer = PackedTransformer(
+            model_name_or_path,
+            model_kwargs={**shared, **(model_kwargs or {})},
+            processor_kwargs={**shared, **(processor_kwargs or {})},
+            config_kwargs={**shared, **(config_kwargs or {})},
+        )
         architectures = transformer.config.architectures or [""]
         causal = architectures[0].endswith("ForCausalLM") and getattr(transformer.config, "is_causal", True)
         pooling = PackedPooling(transformer.get_embedding_dimension(), "lasttoken" if causal else "mean")

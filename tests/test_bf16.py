@@ -53,11 +53,13 @@ def test_fp16_for_a_family_that_overflows_only_when_asked_by_name(st_model, capl
     assert "overflow in float16" in caplog.text
     assert np.isfinite(model.encode(["runs in float16 as asked"])).all()
 
-    # dtype="auto" on a GPU takes the checkpoint's dtype, except fp16 for such a family.
+    # dtype="auto", or none, takes the checkpoint's dtype, except fp16 for such a family (bf16 where there is bf16).
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
     config = AutoConfig.from_pretrained(folder)
     config.dtype = torch.float16
-    assert resolve_dtype({"dtype": "auto"}, config, "cuda") == torch.bfloat16
+    assert resolve_dtype({"dtype": "auto"}, config, "cuda") == resolve_dtype({}, config, "cpu") == torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: False)
+    assert resolve_dtype({}, config, "cuda") == torch.float32  # a GPU without bf16
     config.model_type = "mistral"
     assert resolve_dtype({"dtype": "auto"}, config, "cuda") == torch.float16
     config.dtype = torch.bfloat16

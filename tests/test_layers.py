@@ -102,7 +102,7 @@ def test_fp32_layer_multiplies_in_bf16_where_pytorch_allows_it():
 def test_the_engine_is_set_up_once_per_runtime(st_model, monkeypatch):
     """At load every Linear takes the runtime's product dtype; encode() does not set them up again; moving
     the model to another dtype does, and back."""
-    _, fast = load_both(st_model("mistral", pooling_mode="mean"))
+    _, fast = load_both(st_model("mistral", pooling_mode="mean"), device="cpu")  # oneDNN's products are the CPU's
     linears = [m for m in fast[0].model.modules() if isinstance(m, Linear)]
     assert linears and all(m.product_dtype == torch.float32 for m in linears)
     calls, use = [], PackedTransformer._use
@@ -118,7 +118,7 @@ def test_the_engine_is_set_up_once_per_runtime(st_model, monkeypatch):
 def test_no_reordered_copies_where_memory_is_short(st_model, monkeypatch):
     """The copies would take more than a quarter of the free memory: PyTorch's product, same numbers."""
     monkeypatch.setattr(onednn, "free_memory_bytes", lambda: 1024)
-    plain, fast = load_both(st_model("mistral", pooling_mode="mean"))
+    plain, fast = load_both(st_model("mistral", pooling_mode="mean"), device="cpu")
     linears = [m for m in fast[0].model.modules() if isinstance(m, Linear)]
     assert not fast[0].onednn_copies and fast[0].runtime.product_dtype is None
     assert linears and not any(m.product_dtype for m in linears)

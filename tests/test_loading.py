@@ -106,6 +106,13 @@ def test_checkpoint_errors_name_the_tensor(tmp_path):
     save_file(weights, folder / "model.safetensors")
     with pytest.raises(CheckpointError, match=r"layers\.0\.mlp\.\w+_proj\.weight: checkpoint shape"):
         SentenceTransformer(str(folder), backend="fast", device="cpu")
+    edit_config(folder, intermediate_size=128)
+    k_proj = "layers.1.self_attn.k_proj.weight"
+    save_file({**weights, k_proj: weights[k_proj][:, :60].contiguous()}, folder / "model.safetensors")
+    # a part of a fused tensor: torch.cat alone would say "Sizes of tensors must match"
+    said = r"qkv_proj\.weight: checkpoint shape .*k_proj\.weight \(32, 60\).*the config implies \(128, 64\)"
+    with pytest.raises(CheckpointError, match=said):
+        SentenceTransformer(str(folder), backend="fast", device="cpu")
 
 
 def test_weights_are_read_straight_onto_the_models_device(st_model, monkeypatch):
@@ -135,19 +142,21 @@ def test_other_backends_are_plain_sentence_transformers(st_model, texts):
     assert max_diff(model.encode(texts), plain.encode(texts)) == 0
 
 
-def test_dtype_default_is_fp32_and_auto_follows_the_cpu(tmp_path, monkeypatch):
+def test_dtype_default_is_the_checkpoints_as_in_plain(tmp_path):
+    """transformers 5 loads a checkpoint in its own dtype unless told otherwise, and plain sentence-transformers
+    with it: an fp16 checkpoint runs in fp16, on any device; a dtype given by name is taken as it is."""
     import transformers
 
-    from st_fastbackend.engine.runtime import cpu_has_native_bf16, resolve_dtype
+    from st_fastbackend.engine.runtime import resolve_dtype
 
     folder = build_hf_model(tmp_path / "hf", "llama")
     transformers.AutoModel.from_pretrained(folder).to(torch.float16).save_pretrained(folder)
     weight = lambda **kw: SentenceTransformer(str(folder), backend="fast", device="cpu", **kw)[0].model.norm.weight  # noqa: E731
-    assert weight().dtype == torch.float32
-    assert weight(model_kwargs={"torch_dtype": "float16"}).dtype == torch.float16
-    native = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-    assert weight(model_kwargs={"dtype": "auto"}).dtype == native  # a model on the CPU follows the CPU...
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert weight(model_kwargs={"dtype": "auto"}).dtype == native  # ...on a machine with a GPU too
+    plain = PlainSentenceTransformer(str(folder), device="cpu")
+    assert weight().dtype == next(plain.parameters()).dtype == torch.float16
+    assert weight(model_kwargs={"dtype": "auto"}).dtype == torch.float16
+    assert weight(model_kwargs={"torch_dtype": "float32"}).dtype == torch.float32
     config = transformers.AutoConfig.from_pretrained(folder)
-    assert resolve_dtype({"dtype": "auto"}, config, "cuda") == torch.float16  # the checkpoint's, on a GPU
+    config.dtype = None  # no dtype in config.json: the stored weights' dtype, as transformers reads it
+    assert resolve_dtype({}, config, "cuda", stored=torch.bfloat16) == torch.bfloat16
+    assert resolve_dtype({}, config, "cpu") == torch.float32

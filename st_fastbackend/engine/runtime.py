@@ -137,21 +137,18 @@ def _flash_attn_aligns_keys_end() -> bool:
     return Version(flash_attn.__version__) >= Version("2.1")
 
 
-def resolve_dtype(model_kwargs: dict[str, Any], config, device_type: str) -> torch.dtype:
-    """sentence-transformers' model_kwargs dtype: a torch.dtype, its name, or "auto", for a model on `device_type`.
-
-    "auto" takes the checkpoint's dtype on a CUDA device (as transformers does), except fp16 for a family known
-    to overflow in it, which gets bf16 (fp32 where the GPU has no bf16). On a CPU "auto" takes bf16 where the CPU
-    multiplies bf16 natively (AVX512-BF16 or AMX), else fp32, whether or not the machine also has a GPU.
-    """
-    asked = model_kwargs.get("dtype", model_kwargs.get("torch_dtype")) or torch.float32
+def resolve_dtype(
+    model_kwargs: dict[str, Any], config, device_type: str, stored: torch.dtype | None = None
+) -> torch.dtype:
+    """sentence-transformers' model_kwargs dtype: a torch.dtype, its name, or "auto"; none given is "auto", as in
+    transformers 5, which plain sentence-transformers loads with. "auto" is the checkpoint's dtype: its config's,
+    else its stored weights' (`stored`), else fp32, on every device, as transformers' from_pretrained resolves it.
+    One exception, logged: fp16 for a family known to overflow in it (inf/NaN embeddings) becomes bf16 (fp32 on
+    a GPU without bf16); dtype=torch.float16 by name still runs fp16, with a warning."""
+    asked = model_kwargs.get("dtype", model_kwargs.get("torch_dtype")) or "auto"
     dtype = asked
     if asked == "auto":
-        if device_type == "cuda":
-            dtype = getattr(config, "dtype", None) or torch.float32
-        else:
-            dtype = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-            logger.info(f'dtype="auto" on the CPU: {dtype} (native bf16: {cpu_has_native_bf16()})')
+        dtype = getattr(config, "dtype", None) or stored or torch.float32
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise UnsupportedModelError(f"dtype {dtype!r}")
@@ -161,10 +158,5 @@ def resolve_dtype(model_kwargs: dict[str, Any], config, device_type: str) -> tor
             logger.warning(f"{why}. Running in float16 as asked.")
             return dtype
         dtype = torch.bfloat16 if device_type != "cuda" or torch.cuda.is_bf16_supported() else torch.float32
-        logger.warning(f'{why}. dtype="auto" takes {dtype} instead; pass dtype=torch.float16 to insist.')
+        logger.warning(f"{why}. The checkpoint's float16 becomes {dtype}; pass dtype=torch.float16 to insist.")
     return dtype
-
-
-def cpu_has_native_bf16() -> bool:
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private, hence the getattr
-    return any(getattr(torch.cpu, check, lambda: False)() for check in checks)

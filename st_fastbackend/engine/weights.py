@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections import Counter, defaultdict
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -35,6 +36,19 @@ def checkpoint_files(folder: Path) -> list[Path]:
     )
 
 
+SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+
+
+def stored_dtype(folder: Path) -> torch.dtype | None:
+    """The dtype of the checkpoint's first floating-point tensor, read from the file's header (what
+    transformers' dtype="auto" falls back to where config.json names none)."""
+    for file, name in _tensor_names(folder):
+        with safe_open(file, framework="pt") as f:
+            if (dtype := SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype())) is not None:
+                return dtype
+    return None
+
+
 def load_weights(model: nn.Module, folder: Path, device: torch.device, dtype: torch.dtype) -> list[str]:
     """Fill `model` (built on the meta device) from the checkpoint, read tensor by tensor straight onto
     `device` and cast there: the host never holds more than the tensor being read. Fused tensors are
@@ -55,7 +69,7 @@ def load_weights(model: nn.Module, folder: Path, device: torch.device, dtype: to
         # Opened per tensor: safetensors maps the whole file, and the pages read stay resident until it is
         # closed; one tensor's pages at a time keep a GPU load's host memory flat whatever the shard size.
         with safe_open(file, framework="pt", device=str(device)) as f:
-            parts[target][slot] = f.get_tensor(raw_name).to(dtype)
+            parts[target][slot] = _Part(raw_name, f.get_tensor(raw_name).to(dtype))
         count = slot_counts.get(_owner(target), 1)
         if len(parts[target]) == count:
             state[target] = _join(target, parts.pop(target), count, expected[target].shape)
@@ -100,10 +114,24 @@ def _fused_name(name: str, fused: dict[str, tuple[str, int]]) -> tuple[str, int]
     return name, 0
 
 
-def _join(name: str, slots: dict[int, Tensor], count: int, shape: torch.Size) -> Tensor:
+class _Part(NamedTuple):
+    name: str  # as the checkpoint names it
+    tensor: Tensor
+
+
+def _join(name: str, slots: dict[int, _Part], count: int, shape: torch.Size) -> Tensor:
     if sorted(slots) != list(range(count)):
         raise CheckpointError(f"{name}: the checkpoint has parts {sorted(slots)} of {count}")
-    tensor = slots[0] if count == 1 else torch.cat([slots[i] for i in range(count)], dim=0)
-    if tensor.shape != shape:
-        raise CheckpointError(f"{name}: checkpoint shape {tuple(tensor.shape)}, the config implies {tuple(shape)}")
-    return tensor
+    parts = [slots[i] for i in range(count)]
+    fits = parts[0].tensor.shape == shape if count == 1 else _rows_join(parts, shape)
+    if not fits:
+        found = ", ".join(f"{part.name} {tuple(part.tensor.shape)}" for part in parts)
+        implied = f"{tuple(shape)} in all" if count > 1 else f"{tuple(shape)}"
+        raise CheckpointError(f"{name}: checkpoint shape {found}, the config implies {implied}")
+    return parts[0].tensor if count == 1 else torch.cat([part.tensor for part in parts], dim=0)
+
+
+def _rows_join(parts: list[_Part], shape: torch.Size) -> bool:
+    """Whether the parts, joined along dim 0, have `shape`."""
+    same_rest = all(part.tensor.dim() == len(shape) > 0 and part.tensor.shape[1:] == shape[1:] for part in parts)
+    return same_rest and sum(part.tensor.shape[0] for part in parts) == shape[0]

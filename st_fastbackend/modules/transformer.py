@@ -25,7 +25,7 @@ from st_fastbackend.engine.prefix import LayerKV, Prefix
 from st_fastbackend.engine.registry import build_engine
 from st_fastbackend.engine.runtime import Kernel, Runtime, choose_runtime, resolve_dtype
 from st_fastbackend.engine.spec import UnsupportedModelError
-from st_fastbackend.engine.weights import INDEX_FILE, checkpoint_files, load_weights
+from st_fastbackend.engine.weights import INDEX_FILE, checkpoint_files, load_weights, stored_dtype
 from st_fastbackend.modules.files import resolve_folder
 from st_fastbackend.modules.options import check_model_kwargs, load_device, module_config, without_hub_kwargs
 from st_fastbackend.modules.tokenizer import (
@@ -62,7 +62,8 @@ class PackedTransformer(InputModule):
         check_tokenizer_files(self.folder)  # before minutes of loading a large model
         self.model = build_engine(config)
         device = load_device(model_kwargs.get("device_map"))
-        load_weights(self.model, self.folder, device, resolve_dtype(model_kwargs, config, device.type))
+        dtype = resolve_dtype(model_kwargs, config, device.type, stored_dtype(self.folder))
+        load_weights(self.model, self.folder, device, dtype)
         self.config = config
         self.onednn_copies = device.type == "cpu" and onednn.copies_fit(self.model)  # else PyTorch's products
         self.compiled_seams: bool | None = None  # True/False: on or off; None: fused.on_by_default for the device
