@@ -7,9 +7,15 @@
 2. Oversized bodies: 20 MB and 200 MB bodies sent with Content-Length and chunked; the status, the time
    to the answer, and the server's RSS before and after each size.
 3. A long text: a one-word request's latency while requests of 2 million characters are in flight.
-4. A stalled body: the time to its 408, and the time SIGTERM takes with a stalled client connected.
+4. One request against everyone (issue 34): while each of these is processed, a one-word probe's latency,
+   and the server's RSS before, at its peak and after: 1.95 million '!' in one input (no whitespace); a
+   1.5-million-character prompt with 16 short inputs; 16 inputs of 256 tokens (a control: a forward of the
+   same size); a prompt of 18,000 '!' (within the bound, more tokens than the limit) with 16 short inputs;
+   and, for scale, 256 inputs of 256 tokens each.
+5. A stalled body: the time to its 408, and the time SIGTERM takes with a stalled client connected.
 
     python eval/bench_hardening.py                   # bundled all-MiniLM-L6-v2, 64 and 200 clients, 5% bad
+    python eval/bench_hardening.py --parts attacks   # part 4 only
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import random
 import signal
 import socket
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_server import DEFAULT_DATA_DIR, sentences, start_server  # noqa: E402
 
 JSON_HEADER = {"Content-Type": "application/json"}
+PARTS = ("mixed", "oversized", "long_text", "attacks", "stalled")
 BAD = ('{"input": "caf\\ud800 au lait"}', '{"input": "fine", "prompt": "query\\udfff: "}', '{"input": [true, false]}')
 
 
@@ -113,6 +121,44 @@ def long_text_latency(url: str, texts: list[str], chars: int, parallel: int) -> 
             "long_request_s": max(long_seconds)}  # fmt: skip
 
 
+def attacks(url: str, pid: int, texts: list[str]) -> list[dict]:
+    words = " ".join(texts)
+    prompt = (words * (1_500_000 // len(words) + 1))[:1_500_000]
+    bodies = {
+        "1.95M '!' in one input": {"input": "!" * 1_950_000},
+        "1.5M-char prompt, 16 inputs": {"input": texts[:16], "prompt": prompt},
+        "16 inputs of 256 tokens (control)": {"input": [" ".join(["word"] * 300) + f" {i}" for i in range(16)]},
+        "18,000 '!' prompt, 16 inputs": {"input": texts[:16], "prompt": "!" * 18_000},
+        "256 inputs of 256 tokens": {"input": [" ".join(["word"] * 300) + f" {i}" for i in range(256)]},
+    }
+    return [{"attack": name, **with_probe(url, pid, body)} for name, body in bodies.items()]
+
+
+def with_probe(url: str, pid: int, body: dict) -> dict:
+    """The request's status and seconds, a one-word probe's seconds sent 0.2 s after it, and the server's RSS."""
+    before, peak, done = rss_mib(pid), [0.0], threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.01):
+            peak[0] = max(peak[0], rss_mib(pid))
+
+    with ThreadPoolExecutor(2) as pool:
+        pool.submit(watch)
+        start = time.perf_counter()
+        attack = pool.submit(httpx.post, f"{url}/v1/embeddings", json=body, timeout=600)
+        time.sleep(0.2)
+        probe_s = _timed(lambda: httpx.post(f"{url}/v1/embeddings", json={"input": "one word"}, timeout=600))
+        response = attack.result()
+        attack_s = time.perf_counter() - start
+        done.set()
+    row = {"status": response.status_code, "request_s": round(attack_s, 3), "probe_s": round(probe_s, 3),
+           "rss_before_mib": round(before), "rss_peak_mib": round(max(peak[0], before)),
+           "rss_after_mib": round(rss_mib(pid))}  # fmt: skip
+    if response.status_code != 200:
+        row["message"] = response.json()["error"]["message"]
+    return row
+
+
 def _timed(call) -> float:
     start = time.perf_counter()
     assert call().status_code == 200
@@ -156,6 +202,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--bad-fraction", type=float, default=0.05)
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[20, 200])
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS)
     parser.add_argument("--output-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
     texts = sentences(args.data_dir)
@@ -163,21 +210,27 @@ def main() -> None:
     result = {"date": time.strftime("%Y-%m-%d-%H%M"), "cores": os.cpu_count(), "model": args.model, "mixed": []}
     process, url = start_server(args.model)
     try:
-        for clients in args.clients:
+        for clients in args.clients if "mixed" in args.parts else ():
             before = rss_mib(process.pid)
             row = asyncio.run(mixed_load(url, texts, expected, clients, args.seconds, args.bad_fraction))
             row.update(clients=clients, rss_before_mib=before, rss_after_mib=rss_mib(process.pid))
             result["mixed"].append(row)
             print(json.dumps(row), flush=True)
-        result["oversized"] = oversized(url, process.pid, tuple(args.sizes_mb))
-        print(json.dumps(result["oversized"], indent=1), flush=True)
-        result["long_text"] = long_text_latency(url, texts, 2_000_000, 4)
-        print(json.dumps(result["long_text"]), flush=True)
+        if "oversized" in args.parts:
+            result["oversized"] = oversized(url, process.pid, tuple(args.sizes_mb))
+            print(json.dumps(result["oversized"], indent=1), flush=True)
+        if "long_text" in args.parts:
+            result["long_text"] = long_text_latency(url, texts, 2_000_000, 4)
+            print(json.dumps(result["long_text"]), flush=True)
+        if "attacks" in args.parts:
+            result["attacks"] = attacks(url, process.pid, texts)
+            print("\n".join(map(json.dumps, result["attacks"])), flush=True)
     finally:
         process.terminate()
         process.wait(60)
-    result["stalled"] = stalled(args.model)
-    print(json.dumps(result["stalled"]), flush=True)
+    if "stalled" in args.parts:
+        result["stalled"] = stalled(args.model)
+        print(json.dumps(result["stalled"]), flush=True)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     out = args.output_dir / f"bench-hardening-{result['date']}.json"
     out.write_text(json.dumps(result, indent=2))
