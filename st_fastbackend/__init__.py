@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from st_fastbackend.engine.spec import UnsupportedModelError
-    from st_fastbackend.model import SentenceTransformer
+    from st_fastbackend.models import SentenceTransformer
 
 __all__ = ["SentenceTransformer", "UnsupportedModelError"]
 __version__ = "0.1.0"
@@ -20,7 +20,7 @@ def __getattr__(name: str):
     # Imported on first use: torch, transformers and sentence-transformers take seconds to import, and
     # `st-fastbackend --help` or `--version` need none of them.
     if name == "SentenceTransformer":
-        from st_fastbackend.model import SentenceTransformer
+        from st_fastbackend.models import SentenceTransformer
 
         return SentenceTransformer
     if name == "UnsupportedModelError":

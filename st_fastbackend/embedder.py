@@ -7,7 +7,7 @@ import torch
 from sentence_transformers.base.modules import Normalize
 
 from st_fastbackend.engine.schedule import Schedule
-from st_fastbackend.model import SentenceTransformer
+from st_fastbackend.models import SentenceTransformer
 from st_fastbackend.modules import PackedTransformer
 from st_fastbackend.modules.tokenizer import TextTokenizer
 

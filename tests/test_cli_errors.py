@@ -93,7 +93,8 @@ def test_library_names_still_import():
     import st_fastbackend
     from st_fastbackend import SentenceTransformer, UnsupportedModelError
 
-    assert SentenceTransformer.__module__ == "st_fastbackend.model" and issubclass(UnsupportedModelError, Exception)
+    assert SentenceTransformer.__module__ == "st_fastbackend.models.sentence_transformer"
+    assert issubclass(UnsupportedModelError, Exception)
     assert set(st_fastbackend.__all__) == {"SentenceTransformer", "UnsupportedModelError"}
     with pytest.raises(AttributeError):
         st_fastbackend.nothing  # noqa: B018

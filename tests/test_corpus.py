@@ -198,7 +198,7 @@ def test_another_job_into_the_same_folder_is_refused(folder, st_model, texts, tm
 def test_import_does_not_import_ray():
     """The ray extra is optional: the package, the CLI's parser and the corpus job's files never import it (the
     local job's corpus.py adds only torch and the model to these)."""
-    code = ("import sys, st_fastbackend, st_fastbackend.corpus_io, st_fastbackend.corpus_output, "
-            "st_fastbackend.cli_corpus, st_fastbackend.cli as cli; cli.build_parser(); "
+    code = ("import sys, st_fastbackend, st_fastbackend.corpus.read, st_fastbackend.corpus.output, "
+            "st_fastbackend.cli.embed_corpus, st_fastbackend.cli as cli; cli.build_parser(); "
             "sys.exit('ray imported' if 'ray' in sys.modules else 0)")  # fmt: skip
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

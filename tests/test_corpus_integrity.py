@@ -18,7 +18,7 @@ from helpers import TOLERANCE
 
 from st_fastbackend import SentenceTransformer, cli_corpus
 from st_fastbackend.cli import main
-from st_fastbackend.corpus_ids import REPEATED
+from st_fastbackend.corpus.ids import REPEATED
 
 
 @pytest.fixture(scope="module")

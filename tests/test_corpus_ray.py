@@ -142,8 +142,8 @@ def test_the_actor_refuses_a_column_it_would_add(folder, texts):
 def test_the_job_splits_a_single_row_group_for_the_pool(texts, tmp_path):
     """A file of one row group reads as one block, which one actor would embed whole: the job's dataset reaches
     the actors in blocks of at most a call's rows, the done rows dropped."""
-    from st_fastbackend.corpus_io import Columns, scan_input
-    from st_fastbackend.corpus_ray import pending_dataset
+    from st_fastbackend.corpus.on_ray import pending_dataset
+    from st_fastbackend.corpus.read import Columns, scan_input
 
     rows = 3 * ROWS_PER_CALL + 5
     pq.write_table(pa.table({"id": list(range(rows)), "text": [texts[i % len(texts)] for i in range(rows)]}),
@@ -155,7 +155,7 @@ def test_the_job_splits_a_single_row_group_for_the_pool(texts, tmp_path):
 
 
 def test_local_layout_one_single_thread_actor_per_cpu_as_memory_allows():
-    from st_fastbackend.corpus_ray import ACTOR_MEMORY, local_layout
+    from st_fastbackend.corpus.on_ray import ACTOR_MEMORY, local_layout
 
     weights = 1 << 30
     each = 2 * weights + ACTOR_MEMORY
@@ -170,7 +170,7 @@ def test_local_layout_one_single_thread_actor_per_cpu_as_memory_allows():
 def test_ray_cli_lays_out_its_own_ray_by_device(folder, tmp_path, monkeypatch):
     """The Ray the CLI starts on this machine: on the CPU an actor per CPU (this small model fits), on a GPU
     device one actor with every CPU and a GPU; an address or a Ray already started: one actor of one CPU."""
-    import st_fastbackend.corpus_ray as corpus_ray
+    import st_fastbackend.corpus.on_ray as corpus_ray
 
     layouts = []
 

@@ -6,12 +6,12 @@ import torch
 from helpers import DEVICE
 from transformers import MistralConfig
 
-import st_fastbackend.model
+import st_fastbackend.models.fast
 from st_fastbackend import SentenceTransformer
 from st_fastbackend.embedder import Embedder
 from st_fastbackend.engine import schedule
 from st_fastbackend.engine.batch import plan_batches
-from st_fastbackend.model import HostRows
+from st_fastbackend.models.host_rows import HostRows
 from st_fastbackend.serve.batcher import Batcher, Job
 from st_fastbackend.serve.metrics import Metrics
 
@@ -37,7 +37,7 @@ def record_batches(model):
 
 @pytest.mark.parametrize("budget, batch_size", [(64, 32), (300, 4), (100_000, 1000)])
 def test_encode_respects_the_budget_and_keeps_order(model, texts, monkeypatch, budget, batch_size):
-    monkeypatch.setattr(st_fastbackend.model, "TOKENIZE_CHUNK", 7)  # several tokenizer chunks
+    monkeypatch.setattr(st_fastbackend.models.fast, "TOKENIZE_CHUNK", 7)  # several tokenizer chunks
     reference = np.stack([model.encode(text) for text in texts])
     seen, handle = record_batches(model)
     try:
@@ -68,7 +68,7 @@ def test_budget_is_a_model_property(model, texts):
 
 def test_error_names_the_callers_index_across_chunks(st_model, monkeypatch):
     """A text with no tokens at all (possible with tokenizers that add no special tokens)."""
-    monkeypatch.setattr(st_fastbackend.model, "TOKENIZE_CHUNK", 3)
+    monkeypatch.setattr(st_fastbackend.models.fast, "TOKENIZE_CHUNK", 3)
     model = SentenceTransformer(str(st_model("qwen2", pooling_mode="mean")), backend="fast", device=DEVICE)
     monkeypatch.setattr(model[0].texts, "_token_ids", lambda texts, max_length: [[5] if t else [] for t in texts])
     with pytest.raises(ValueError, match="Input 4 "):

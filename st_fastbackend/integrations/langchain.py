@@ -11,7 +11,7 @@ from typing import Any
 from langchain_huggingface import HuggingFaceEmbeddings
 from pydantic import BaseModel
 
-from st_fastbackend.model import SentenceTransformer
+from st_fastbackend.models import SentenceTransformer
 
 
 class FastBackendEmbeddings(HuggingFaceEmbeddings):

@@ -19,7 +19,7 @@ from llama_index.embeddings.huggingface.utils import (
     get_text_instruct_for_model_name,
 )
 
-from st_fastbackend.model import SentenceTransformer
+from st_fastbackend.models import SentenceTransformer
 
 
 class FastBackendEmbedding(HuggingFaceEmbedding):

@@ -36,7 +36,7 @@ class EmbedBatches:
         import torch
 
         from st_fastbackend import SentenceTransformer
-        from st_fastbackend.corpus import TextEmbedder
+        from st_fastbackend.corpus.job import TextEmbedder
 
         if threads:  # Ray sets OMP_NUM_THREADS from the actor's CPUs; said here, not left to the environment
             torch.set_num_threads(threads)
@@ -57,7 +57,7 @@ class EmbedBatches:
     def __call__(self, batch: pa.Table) -> pa.Table:
         import pyarrow.compute as pc
 
-        from st_fastbackend.corpus_io import invalid_rows
+        from st_fastbackend.corpus.read import invalid_rows
         from st_fastbackend.modules.tokenizer import NoTokensError
 
         if self.id_column and self.id_column not in batch.column_names:

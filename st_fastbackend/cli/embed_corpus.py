@@ -9,18 +9,18 @@ import importlib.util
 import sys
 import time
 
-from st_fastbackend.cli import (
+from st_fastbackend.cli.files import CliError
+from st_fastbackend.cli.options import (
     MATMUL_HELP,
     MATMUL_PRECISIONS,
-    _dtype_name,
-    _first_line,
-    _positive,
     add_prompt_options,
     check_model,
     describe,
+    dtype_name,
+    first_line,
     load_model,
+    positive,
 )
-from st_fastbackend.cli_io import CliError
 from st_fastbackend.integrations.ray_pool import STALL_TIMEOUT, PoolError, worker_gpus
 
 HELP = "embed a corpus (parquet, JSON Lines, CSV) into parquet shards, resumably; --ray runs it on Ray Data"
@@ -34,15 +34,15 @@ def add_embed_corpus(commands, formatter_class) -> None:
     corpus.add_argument("--text-column", default="text", help="the column to embed")
     corpus.add_argument("--id-column", default="id", help="the column written beside each embedding")
     add_prompt_options(corpus, "passage: ", "document")
-    corpus.add_argument("--batch-size", type=_positive, default=32, help="texts per packed batch at most")
-    corpus.add_argument("--max-tokens-per-batch", type=_positive, default=None,
+    corpus.add_argument("--batch-size", type=positive, default=32, help="texts per packed batch at most")
+    corpus.add_argument("--max-tokens-per-batch", type=positive, default=None,
                         help="tokens per packed batch; default: the model's, by device")  # fmt: skip
-    corpus.add_argument("--dtype", type=_dtype_name, default=None, metavar="{float32,bfloat16,float16,auto}",
+    corpus.add_argument("--dtype", type=dtype_name, default=None, metavar="{float32,bfloat16,float16,auto}",
                         help="model dtype (also fp32, bf16, fp16, half); default: the model's own")  # fmt: skip
     corpus.add_argument("--device", default=None, help="e.g. cpu, cuda (default: as sentence-transformers)")
-    corpus.add_argument("--max-seq-length", type=_positive, default=None, help="truncate inputs to this many tokens")
+    corpus.add_argument("--max-seq-length", type=positive, default=None, help="truncate inputs to this many tokens")
     corpus.add_argument("--matmul-precision", default=None, choices=MATMUL_PRECISIONS, help=MATMUL_HELP)
-    corpus.add_argument("--shard-rows", type=_positive, default=10_000, help="rows per output shard")
+    corpus.add_argument("--shard-rows", type=positive, default=10_000, help="rows per output shard")
     corpus.add_argument("--output-dtype", default="float32", choices=("float32", "float16"), help="of the embeddings")
     corpus.add_argument("--skip-invalid", action="store_true",
                         help="list rows whose id or text is null, or whose text is not a string, in rejects.parquet, "
@@ -53,7 +53,7 @@ def add_embed_corpus(commands, formatter_class) -> None:
     ray = corpus.add_argument_group("Ray Data (pip install st_fastbackend[ray])")
     ray.add_argument("--ray", action="store_true", help="run the job as a Ray Data pipeline")
     ray.add_argument("--ray-address", default=None, help="a running cluster; default: start Ray on this machine")
-    ray.add_argument("--num-workers", type=_positive, default=None,
+    ray.add_argument("--num-workers", type=positive, default=None,
                      help="actors, each with its own model; default: on this machine's CPUs one per --cpus-per-worker "
                           "(1) as memory allows, else 1")  # fmt: skip
     ray.add_argument("--gpus-per-worker", type=float, default=None,
@@ -68,9 +68,9 @@ def add_embed_corpus(commands, formatter_class) -> None:
 
 
 def embed_corpus(args: argparse.Namespace) -> None:
-    from st_fastbackend.corpus_guard import folder_lock
-    from st_fastbackend.corpus_identity import output_width
-    from st_fastbackend.corpus_io import Columns, CorpusError, input_files, scan_input
+    from st_fastbackend.corpus.guard import folder_lock
+    from st_fastbackend.corpus.identity import output_width
+    from st_fastbackend.corpus.read import Columns, CorpusError, input_files, scan_input
 
     if importlib.util.find_spec("pyarrow") is None:
         raise CliError("embed-corpus reads and writes through pyarrow: pip install pyarrow")
@@ -92,8 +92,8 @@ def embed_corpus(args: argparse.Namespace) -> None:
 
 def _output_folder(args: argparse.Namespace, scan):
     """The folder with the identity of this job: everything its rows depend on."""
-    from st_fastbackend.corpus_identity import model_identity
-    from st_fastbackend.corpus_output import JobSpec, OutputFolder, model_name
+    from st_fastbackend.corpus.identity import model_identity
+    from st_fastbackend.corpus.output import JobSpec, OutputFolder, model_name
 
     spec = JobSpec(model_name(args.model), model_identity(args.model), scan.fingerprint, args.id_column,
                    args.text_column, args.prompt, args.prompt_name, args.output_dtype, args.max_seq_length, args.dtype,
@@ -118,14 +118,14 @@ def _check_ray_options(args: argparse.Namespace) -> None:
 
 
 def _run_local(args, scan, folder, done) -> None:
-    from st_fastbackend.corpus import TextEmbedder, run_local
+    from st_fastbackend.corpus.job import TextEmbedder, run_local
 
     model = load_model(args)
     try:
         embed = TextEmbedder(model, prompt=args.prompt, prompt_name=args.prompt_name, batch_size=args.batch_size,
                              max_tokens_per_batch=args.max_tokens_per_batch)  # fmt: skip
     except ValueError as error:  # an unknown prompt name
-        raise CliError(_first_line(error)) from error
+        raise CliError(first_line(error)) from error
     progress = run_local(scan, folder, done, embed, args.shard_rows)
     seconds = time.perf_counter() - progress.started
     print(f"{_counts(progress.rows, _length(done), scan)}, {progress.shards} new shards; {progress.tokens} tokens "
@@ -138,7 +138,7 @@ def _run_ray(args, scan, folder, done) -> None:
     import ray.data
     from sentence_transformers.util import get_device_name
 
-    from st_fastbackend.corpus_ray import layout_here, run_ray, shard_dimension, start_ray
+    from st_fastbackend.corpus.on_ray import layout_here, run_ray, shard_dimension, start_ray
 
     workers, cpus = args.num_workers or 1, args.cpus_per_worker or 1
     if not (args.ray_address or ray.is_initialized() or args.gpus_per_worker):  # Ray on this machine
@@ -161,7 +161,7 @@ def _run_ray(args, scan, folder, done) -> None:
     except Exception as error:  # one line (the worker's own error where there is one); --debug shows it whole
         if args.debug:
             raise
-        raise CliError(f"the Ray job failed: {_first_line(getattr(error, 'cause', None) or error)}") from error
+        raise CliError(f"the Ray job failed: {first_line(getattr(error, 'cause', None) or error)}") from error
     finally:
         context.raise_original_map_exception = wrapped
     folder.finish(scan, shard_dimension(folder), args.prompt)

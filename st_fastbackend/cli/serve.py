@@ -10,11 +10,33 @@ import socket
 import sys
 from pathlib import Path
 
-from st_fastbackend.cli import describe, load_model
-from st_fastbackend.cli_io import CliError
+from st_fastbackend.cli.files import CliError
+from st_fastbackend.cli.options import describe, load_model, positive
 from st_fastbackend.serve.limits import Limits
 
 logger = logging.getLogger("st_fastbackend.serve")
+
+
+def add_serve(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model id clients send; default: the model folder's name, or the Hub id")  # fmt: skip
+    serve.add_argument("--max-tokens-per-batch", "--max-batch-tokens", type=positive, default=None,
+                       help="tokens per packed batch; default: the model's, by device")  # fmt: skip
+    serve.add_argument("--max-batch-size", type=int, default=256, help="inputs per request and per batch")
+    serve.add_argument("--max-input-tokens", type=int, default=None, help="default: the model's max_seq_length")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on all but /health")
+    serve.add_argument("--public-metrics", action="store_true", help="serve /metrics without the API key")
+    serve.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes, help="413 past this")
+    serve.add_argument("--max-request-chars", type=int, default=Limits.max_request_chars,
+                       help="characters of all inputs of one request together; 413 past this")  # fmt: skip
+    serve.add_argument("--body-timeout", type=float, default=Limits.body_timeout,
+                       help="seconds for a request body to arrive; 408 past this")  # fmt: skip
+    serve.add_argument("--no-dynamic-batching", action="store_true", help="one request per forward pass")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                       help="for the server's and the library's log lines")  # fmt: skip
+    serve.add_argument("--no-access-log", action="store_true", help="no line per request")
 
 
 def serve(args: argparse.Namespace) -> None:

@@ -172,7 +172,7 @@ def scan_input(files: tuple[Path, ...], columns: Columns, stop_at_invalid: bool,
                stop_at_repeated: bool = True) -> InputScan:  # fmt: skip
     """Rows, rejects and a hash of every file's bytes; CorpusError at the first bad row with `stop_at_invalid`, at
     an id given to several rows with `stop_at_repeated`."""
-    from st_fastbackend.corpus_ids import repeated_ids
+    from st_fastbackend.corpus.ids import repeated_ids
 
     rows, rejects, python_json, ids, digest = 0, [], set(), [], hashlib.sha256()
     for path in files:

@@ -24,8 +24,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from st_fastbackend import __version__
-from st_fastbackend.corpus_guard import check_free_space, check_writable, write_file
-from st_fastbackend.corpus_io import CorpusError, InputScan, sha256_of_file
+from st_fastbackend.corpus.guard import check_free_space, check_writable, write_file
+from st_fastbackend.corpus.read import CorpusError, InputScan, sha256_of_file
 
 METADATA_KEY = b"st_fastbackend"
 MANIFEST = "manifest.json"

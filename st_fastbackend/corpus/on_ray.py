@@ -19,8 +19,16 @@ import ray.data
 from ray.data.block import BlockAccessor
 from ray.data.datasource import Datasink
 
-from st_fastbackend.corpus_io import FORMATS, Columns, InputScan, ids_to_skip, in_shards, read_batches, still_to_embed
-from st_fastbackend.corpus_output import OutputFolder, new_run_name
+from st_fastbackend.corpus.output import OutputFolder, new_run_name
+from st_fastbackend.corpus.read import (
+    FORMATS,
+    Columns,
+    InputScan,
+    ids_to_skip,
+    in_shards,
+    read_batches,
+    still_to_embed,
+)
 from st_fastbackend.integrations.ray import ROWS_PER_CALL, embed_dataset
 
 

@@ -13,7 +13,8 @@ import pyarrow as pa
 import torch
 from tqdm.auto import tqdm
 
-from st_fastbackend.corpus_io import (
+from st_fastbackend.corpus.output import OutputFolder, new_run_name
+from st_fastbackend.corpus.read import (
     Columns,
     CorpusError,
     InputScan,
@@ -22,7 +23,6 @@ from st_fastbackend.corpus_io import (
     read_batches,
     still_to_embed,
 )
-from st_fastbackend.corpus_output import OutputFolder, new_run_name
 from st_fastbackend.embedder import Embedder
 from st_fastbackend.modules.tokenizer import NoTokensError
 

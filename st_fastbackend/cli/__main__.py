@@ -1,0 +1,3 @@
+from st_fastbackend.cli.main import main
+
+main()

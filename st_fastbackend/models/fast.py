@@ -1,0 +1,184 @@
+"""What `backend="fast"` means, for every sentence-transformers model class (they share BaseModel's hooks):
+module classes swapped for packed ones at load, weights read straight onto the device, a pipeline check, the
+packed inference loop over the one schedule, and save() under the canonical module types.
+
+A model class is `FastModel` before the sentence-transformers class it replaces, with its own `fast_modules`
+(which module classes become which), its pipeline check and what it makes of each pack's outputs. With any
+other backend it is exactly the sentence-transformers class.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, ClassVar
+
+import sentence_transformers
+import torch
+from sentence_transformers.util import get_device_name
+from tqdm.autonotebook import tqdm
+
+from st_fastbackend.engine.prefix import Prefix
+from st_fastbackend.engine.schedule import Schedule, default_max_tokens
+from st_fastbackend.engine.spec import UnsupportedModelError
+from st_fastbackend.modules import PackedTransformer, check_texts
+
+TOKENIZE_CHUNK = 4096  # inputs tokenized together (while the previous chunk runs) and sorted by length
+Tokenize = Callable[[list, range], list[list[int]]]  # (the chunk's inputs, their positions) -> token ids
+
+
+class FastModel:
+    fast_modules: ClassVar[dict[type, type]] = {}  # sentence-transformers' module class -> ours
+    _max_tokens_per_batch: int | None = None
+    # A prompt shared by the texts of a call (or a server batch) is computed once, on causal decoders
+    # (engine/prefix.py); False runs it with every text, as plain sentence-transformers does.
+    prompt_reuse: bool = True
+
+    def __init__(self, *args: Any, backend: str = "torch", **kwargs: Any) -> None:
+        if backend == "fast" and not hasattr(sentence_transformers.SentenceTransformer, "_inference"):
+            raise ImportError(
+                f'backend="fast" needs sentence-transformers >= 6.2 (its inference loop is what we replace); '
+                f"found {sentence_transformers.__version__}."
+            )
+        if backend == "fast":
+            kwargs = _load_on_device(kwargs)
+        super().__init__(*args, backend=backend, **kwargs)
+        if backend == "fast":
+            self._check_fast_pipeline(list(self._modules.values()))
+
+    def _check_fast_pipeline(self, modules: list) -> None:
+        """The packed engine must be the first module; a class adds what may follow it."""
+        if not modules or not isinstance(modules[0], PackedTransformer):
+            first = type(modules[0]).__name__ if modules else "nothing"
+            raise UnsupportedModelError(f"A pipeline starting with {first} (the fast backend replaces Transformer)")
+
+    def prompt_prefix(self, prompt: str | None) -> Prefix | None:
+        return self[0].prefix_for(prompt) if self.prompt_reuse and self.backend == "fast" else None
+
+    # -- loading and saving: sentence-transformers' module types outside, the packed ones inside --------
+
+    def _load_module_class_from_ref(self, class_ref: str, *args, **kwargs) -> type:
+        module_class = super()._load_module_class_from_ref(class_ref, *args, **kwargs)
+        return self.fast_modules.get(module_class, module_class) if self.backend == "fast" else module_class
+
+    def save(self, path: str, *args, **kwargs) -> None:
+        super().save(path, *args, **kwargs)
+        if self.backend == "fast":
+            _rewrite_module_types(path, self.fast_modules)
+
+    # -- inference ------------------------------------------------------------------------------
+
+    def _inference(self, inputs: list, **kwargs):
+        """sentence-transformers' inference loop, or the packed one with backend="fast"."""
+        if self.backend != "fast":
+            return super()._inference(inputs, **kwargs)
+        return self._packed_inference(inputs, **kwargs)
+
+    def _multi_process(self, inputs, *args, **kwargs):
+        """A multi-process pool: bad input is named by the caller's index, before the inputs are split into chunks."""
+        if self.backend == "fast":
+            check_texts(inputs)
+        return super()._multi_process(inputs, *args, **kwargs)
+
+    def packed_runs(
+        self, inputs: list, tokenize: Tokenize, *, prompt: str | None, device: torch.device, batch_size: int,
+        max_tokens: int, show_progress_bar: bool, **kwargs,
+    ) -> Iterator[tuple[list[int], dict]]:  # fmt: skip
+        """The one loop of every class: inputs tokenized a chunk at a time in a background thread, sorted by token
+        length within the chunk, packed into batches of at most `batch_size` inputs and `max_tokens` tokens (one
+        schedule for the call: it keeps a budget learned from running out of memory); yields (the inputs'
+        positions in `inputs`, the modules' outputs for them)."""
+        self.eval()
+        schedule = Schedule(self, prompt, device, batch_size, max_tokens)
+        with tqdm(total=len(inputs), desc="Texts", disable=not show_progress_bar) as progress:
+            for chunk, sequences in _tokenized_chunks(tokenize, inputs):
+                for picked, out in schedule.run(sequences, **kwargs):
+                    yield [chunk[i] for i in picked], out
+                    progress.update(len(picked))
+
+    def forward_sequences(
+        self,
+        sequences: list[list[int]],
+        prompt: str | None = None,
+        device: torch.device | None = None,
+        prefix: Prefix | None = None,
+        **kwargs,
+    ) -> dict[str, Any]:
+        """One packed forward pass over token-id sequences (already tokenized with `prompt`, if any): every
+        module's outputs. With `prefix`, the sequences are what follows that prompt computed once
+        (engine/prefix.py)."""
+        features = self[0].pack(sequences, prompt, prefix)
+        features["packed"] = features["packed"].to(device or self.device, non_blocking=True)
+        return self(features, **kwargs)
+
+    # -- the token budget -----------------------------------------------------------------------
+
+    @property
+    def max_tokens_per_batch(self) -> int:
+        """Tokens per packed batch: bounds peak memory whatever the input lengths."""
+        return self._max_tokens_for(self.device)
+
+    @max_tokens_per_batch.setter
+    def max_tokens_per_batch(self, value: int | None) -> None:
+        if value is not None and value < 1:
+            raise ValueError(f"max_tokens_per_batch must be positive, got {value}")
+        self._max_tokens_per_batch = value
+
+    def _max_tokens_for(self, device: torch.device, asked: int | None = None) -> int:
+        """The budget asked for this call, else the one set by the user, else a default for the device: fixed
+        on CPUs, from free memory on GPUs."""
+        if asked is not None and asked < 1:
+            raise ValueError(f"max_tokens_per_batch must be positive, got {asked}.")
+        if asked or self._max_tokens_per_batch is not None:
+            return asked or self._max_tokens_per_batch
+        return default_max_tokens(self[0].config, next(self[0].parameters()).dtype, device)
+
+    def get_model_kwargs(self) -> list[str]:
+        extra = ["max_tokens_per_batch"] if self.backend == "fast" else []
+        return [*super().get_model_kwargs(), *extra]
+
+
+def _tokenized_chunks(tokenize: Tokenize, inputs: list) -> Iterator[tuple[range, list]]:
+    """(positions in `inputs`, their token ids) chunk by chunk; the next chunk is tokenized in a background
+    thread while the caller runs the current one (one thread: a tokenizer must not run in two at once)."""
+    chunks = [range(s, min(s + TOKENIZE_CHUNK, len(inputs))) for s in range(0, len(inputs), TOKENIZE_CHUNK)]
+    if not chunks:
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize") as background:
+        pending = background.submit(tokenize, [inputs[i] for i in chunks[0]], chunks[0])
+        for position, chunk in enumerate(chunks):
+            sequences = pending.result()
+            if position + 1 < len(chunks):
+                following = chunks[position + 1]
+                pending = background.submit(tokenize, [inputs[i] for i in following], following)
+            yield chunk, sequences
+
+
+def _load_on_device(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The fast backend reads the checkpoint tensor by tensor straight onto the model's device, in its
+    dtype: `device_map` names that device, as sentence-transformers' own option to load a backbone
+    directly on one device. Without it a 7B model would pass through host memory first."""
+    model_kwargs = dict(kwargs.get("model_kwargs") or {})
+    device = kwargs.get("device") or model_kwargs.get("device_map") or get_device_name()
+    model_kwargs.setdefault("device_map", device)
+    return {**kwargs, "device": device, "model_kwargs": model_kwargs}
+
+
+def _rewrite_module_types(path: str, fast_modules: dict[type, type]) -> None:
+    """modules.json names sentence-transformers' own classes, and their folders are named as plain
+    sentence-transformers names them ("1_Pooling", not "1_PackedPooling")."""
+    canonical = {f"{cls.__module__}.{cls.__name__}": base for base, cls in fast_modules.items()}
+    modules_json = Path(path) / "modules.json"
+    modules = json.loads(modules_json.read_text())
+    for module in modules:
+        base = canonical.get(module["type"])
+        if base is None:
+            continue
+        module["type"] = f"{base.__module__}.{base.__name__}"
+        folder = f"{module['idx']}_{base.__name__}"
+        if module["path"] and module["path"] != folder and not (Path(path) / folder).exists():
+            (Path(path) / module["path"]).rename(Path(path) / folder)
+            module["path"] = folder
+    modules_json.write_text(json.dumps(modules, indent=2))

@@ -1,0 +1,46 @@
+"""Where a call's rows go, in the caller's order, and how rows copied from a GPU leave pinned memory."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class HostRows:
+    """Where each pack's rows go in the caller's order. From a GPU, rows are copied to the host without waiting,
+    into pinned (page-locked) memory; each pack's rows move to ordinary memory once their copy is done, at most
+    DEPTH packs behind the newest, so pinned memory holds a few packs' rows rather than the whole call's (1M
+    e5-mistral rows would be 16 GB pinned, kept by PyTorch's host cache after the call)."""
+
+    DEPTH = 4  # packs in flight: the host waits for the oldest only while the GPU has newer ones queued
+
+    def __init__(self, results: list, waits: bool, event=None) -> None:
+        self.results, self.waits = results, waits
+        self.event = event or (lambda: torch.cuda.Event())  # a copy's completion, recorded on the GPU's queue
+        self.pending: deque[tuple[list[int], Tensor, Any]] = deque()
+
+    def add(self, positions: list[int], rows: list | Tensor) -> None:
+        if not self.waits:
+            self._place(positions, rows)
+            return
+        done = self.event()
+        done.record()
+        self.pending.append((positions, rows, done))
+        while len(self.pending) > self.DEPTH:
+            self._land()
+
+    def finish(self) -> None:
+        while self.pending:
+            self._land()
+
+    def _land(self) -> None:
+        positions, rows, done = self.pending.popleft()
+        done.synchronize()
+        self._place(positions, rows.clone())  # ordinary memory; the pinned block goes back to be reused
+
+    def _place(self, positions: list[int], rows: list | Tensor) -> None:
+        for i, row in zip(positions, rows, strict=True):
+            self.results[i] = row

@@ -1,0 +1,129 @@
+"""`SentenceTransformer` with `backend="fast"`: the same class, the packed engine inside.
+
+With backend "torch", "onnx" or "openvino" this is exactly sentence-transformers' class. With "fast", the
+Transformer module of modules.json becomes PackedTransformer and the Pooling module PackedPooling; every other
+module (Dense, Normalize, ...) stays as it is. The rest of what "fast" means is models/fast.py's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sentence_transformers
+import torch
+from sentence_transformers.base.modules import Transformer
+from sentence_transformers.sentence_transformer.modules import Pooling
+from torch import Tensor
+
+from st_fastbackend.engine.spec import UnsupportedModelError
+from st_fastbackend.models.fast import FastModel
+from st_fastbackend.models.host_rows import HostRows
+from st_fastbackend.modules import PackedPooling, PackedTransformer, check_texts
+
+OUTPUT_VALUES = ("sentence_embedding", "token_embeddings", None)
+
+
+class SentenceTransformer(FastModel, sentence_transformers.SentenceTransformer):
+    fast_modules = {Transformer: PackedTransformer, Pooling: PackedPooling}
+
+    def _check_fast_pipeline(self, modules: list) -> None:
+        super()._check_fast_pipeline(modules)
+        if len(modules) > 1 and not isinstance(modules[1], PackedPooling):
+            raise UnsupportedModelError(f"{type(modules[1]).__name__} after the Transformer module")
+
+    def _load_default_modules(
+        self, model_name_or_path: str, token, cache_folder, revision=None, trust_remote_code=False,
+        local_files_only=False, model_kwargs=None, processor_kwargs=None, config_kwargs=None,
+    ) -> tuple[list, dict]:  # fmt: skip
+        """A bare Hugging Face checkpoint, built as plain sentence-transformers builds it: the Transformer from its
+        constructor (sentence_bert_config.json is not read on this path, so max_seq_length is the tokenizer's,
+        capped at the positions), last-token pooling for causal LMs, mean otherwise."""
+        if self.backend != "fast":
+            return super()._load_default_modules(
+                model_name_or_path, token, cache_folder, revision, trust_remote_code, local_files_only,
+                model_kwargs, processor_kwargs, config_kwargs,
+            )  # fmt: skip
+        shared = {"token": token, "trust_remote_code": trust_remote_code, "revision": revision,
+                  "local_files_only": local_files_only, "cache_dir": cache_folder}  # fmt: skip
+        transformer = PackedTransformer(
+            model_name_or_path,
+            model_kwargs={**shared, **(model_kwargs or {})},
+            processor_kwargs={**shared, **(processor_kwargs or {})},
+            config_kwargs={**shared, **(config_kwargs or {})},
+        )
+        architectures = transformer.config.architectures or [""]
+        causal = architectures[0].endswith("ForCausalLM") and getattr(transformer.config, "is_causal", True)
+        pooling = PackedPooling(transformer.get_embedding_dimension(), "lasttoken" if causal else "mean")
+        return [transformer, pooling], {}
+
+    @torch.inference_mode()
+    def _packed_inference(
+        self,
+        inputs: list,
+        *,
+        prompt: str | None,
+        batch_size: int,
+        show_progress_bar: bool,
+        output_value: str | None,
+        save_to_cpu: bool,
+        normalize_embeddings: bool,
+        truncate_dim: int | None,
+        device: str | torch.device | None,
+        max_tokens_per_batch: int | None = None,
+        **kwargs,
+    ) -> list | Tensor:
+        """encode()'s inner loop on packed batches (models/fast.py packed_runs); results in the caller's order."""
+        if output_value not in OUTPUT_VALUES:
+            raise ValueError(f"output_value must be one of {OUTPUT_VALUES}, got {output_value!r}.")
+        check_texts(inputs)  # before sorting, so an error names the caller's index
+        device = self._resolve_inference_device(device)
+        max_tokens = self._max_tokens_for(device, max_tokens_per_batch)
+        texts = self[0].texts
+        if prompt:  # measured (and cached) now: the tokenizer must not run in two threads at once
+            texts.prompt_length(prompt)
+
+        def tokenize(chunk: list[str], positions: range) -> list[list[int]]:
+            return texts.encode(chunk, prompt, first_index=positions.start)
+
+        results: list = [None] * len(inputs)
+        copied = device.type == "cuda" and save_to_cpu and output_value == "sentence_embedding"  # see _rows
+        landing = HostRows(results, waits=copied)
+        runs = self.packed_runs(inputs, tokenize, prompt=prompt, device=device, batch_size=batch_size,
+                                max_tokens=max_tokens, show_progress_bar=show_progress_bar, **kwargs)  # fmt: skip
+        for positions, out in runs:
+            landing.add(positions, _rows(out, output_value, truncate_dim, normalize_embeddings, save_to_cpu))
+        landing.finish()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the rows left on the GPU, if any, are complete
+        if output_value == "sentence_embedding":
+            return torch.stack(results) if results else torch.tensor([], device=device)
+        return results
+
+
+def _rows(out: dict[str, Any], output_value: str | None, truncate_dim, normalize: bool, to_cpu: bool) -> list | Tensor:
+    """One batch's results, one row per text, as sentence-transformers' encode() returns them."""
+    if truncate_dim is not None:
+        out["sentence_embedding"] = out["sentence_embedding"][:, :truncate_dim]
+    if output_value != "sentence_embedding":
+        return _per_text_outputs(out, output_value)
+    rows = out["sentence_embedding"]
+    if normalize:
+        rows = torch.nn.functional.normalize(rows, p=2, dim=1)
+    # From a GPU: copied without waiting for it (HostRows waits, a few packs behind).
+    return rows.to("cpu", non_blocking=True) if to_cpu else rows
+
+
+def _per_text_outputs(out: dict[str, Any], output_value: str | None) -> list:
+    """Unpadded per-text results: token embeddings [len_i, hidden], or a dict of everything."""
+    lengths = list(out["packed"].lengths)
+    tokens = out["token_embeddings"].split(lengths)  # [T, H] -> B x [len_i, H]
+    if output_value == "token_embeddings":
+        return list(tokens)
+    input_ids = out["packed"].input_ids.split(lengths)
+    per_text = []
+    for i, (ids, token_embeddings) in enumerate(zip(input_ids, tokens, strict=True)):
+        item = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_embeddings": token_embeddings}
+        item["sentence_embedding"] = out["sentence_embedding"][i]
+        item.update({k: v for k, v in out.items() if k not in item and k != "packed"})
+        per_text.append(item)
+    return per_text
