@@ -7,6 +7,7 @@ UnsupportedModelError naming it; the engine never silently computes something el
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import PretrainedConfig
@@ -50,16 +51,30 @@ Rotaries = dict[str, tuple[torch.Tensor, float]]  # layer type -> (fp32 inv_freq
 
 
 @dataclass(frozen=True)
-class DecoderSpec:
+class Widths:
+    """What every family's spec states: its type, vocabulary, widths, depth, heads, norm epsilon, activation."""
+
     model_type: str
     vocab_size: int
     hidden_size: int
     num_layers: int
     num_heads: int
-    num_kv_heads: int
-    head_dim: int
     intermediate_size: int
     norm_eps: float
+    hidden_act: str
+
+    @staticmethod
+    def read(config: PretrainedConfig, norm_eps: float, hidden_act: str) -> dict[str, Any]:
+        """The fields every Hugging Face config names the same way, and the two each family names its own."""
+        return dict(model_type=config.model_type, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                    num_layers=config.num_hidden_layers, num_heads=config.num_attention_heads,
+                    intermediate_size=config.intermediate_size, norm_eps=norm_eps, hidden_act=hidden_act)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DecoderSpec(Widths):  # hidden_act: the gate's activation in act(gate) * up
+    num_kv_heads: int
+    head_dim: int
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
@@ -67,7 +82,6 @@ class DecoderSpec:
     norm_offset: bool  # RMSNorm times (1 + weight): Gemma
     sandwich_norms: bool  # a norm on each sublayer's output too (Gemma's post_attention/post_feedforward)
     embed_scale: float | None  # embeddings times this, rounded to the model dtype first (Gemma: sqrt(hidden))
-    hidden_act: str  # the gate's activation in act(gate) * up
     causal: bool
     attention_scale: float | None  # softmax scale; None: 1/sqrt(head_dim) (Gemma: query_pre_attn_scalar^-0.5)
     windows: tuple[int | None, ...]  # per layer: the sliding window (attention.py's rule), or None
@@ -91,15 +105,9 @@ class DecoderSpec:
         scalar = getattr(config, "query_pre_attn_scalar", None)
         rotaries, layer_rotaries, dynamic = _rotaries(config, head_dim)
         return cls(
-            model_type=config.model_type,
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            num_layers=config.num_hidden_layers,
-            num_heads=num_heads,
+            **Widths.read(config, config.rms_norm_eps, hidden_act),
             num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim,
-            intermediate_size=config.intermediate_size,
-            norm_eps=config.rms_norm_eps,
             qkv_bias=flags["qkv_bias"],
             o_bias=flags["o_bias"],
             mlp_bias=flags["mlp_bias"],
@@ -107,7 +115,6 @@ class DecoderSpec:
             norm_offset=flags["norm_offset"],
             sandwich_norms=flags["sandwich_norms"],
             embed_scale=config.hidden_size**0.5 if flags["scaled_embeddings"] else None,
-            hidden_act=hidden_act,
             causal=not flags["bidirectional"],
             attention_scale=scalar**-0.5 if scalar is not None and scalar != head_dim else None,
             windows=_layer_windows(config),
@@ -118,15 +125,7 @@ class DecoderSpec:
 
 
 @dataclass(frozen=True)
-class EncoderSpec:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    intermediate_size: int
-    norm_eps: float
-    hidden_act: str
+class EncoderSpec(Widths):
     max_positions: int
     type_vocab_size: int
     position_offset: int  # first position id: 0 for BERT, padding_idx + 1 for RoBERTa
@@ -140,14 +139,7 @@ class EncoderSpec:
         if config.hidden_act not in ACT2FN:
             raise UnsupportedModelError(f"hidden_act {config.hidden_act!r}")
         return cls(
-            model_type=config.model_type,
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            num_layers=config.num_hidden_layers,
-            num_heads=config.num_attention_heads,
-            intermediate_size=config.intermediate_size,
-            norm_eps=config.layer_norm_eps,
-            hidden_act=config.hidden_act,
+            **Widths.read(config, config.layer_norm_eps, config.hidden_act),
             max_positions=config.max_position_embeddings,
             type_vocab_size=config.type_vocab_size,
             position_offset=config.pad_token_id + 1 if ENCODER_FAMILIES[config.model_type] else 0,
@@ -155,18 +147,10 @@ class EncoderSpec:
 
 
 @dataclass(frozen=True)
-class ModernBertSpec:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    intermediate_size: int
-    norm_eps: float
+class ModernBertSpec(Widths):  # hidden_act: the gate's activation in act(input) * gate (GeGLU: gelu)
     norm_bias: bool
     attention_bias: bool
     mlp_bias: bool
-    hidden_act: str  # the gate's activation in act(input) * gate (GeGLU: gelu)
     windows: tuple[int | None, ...]  # per layer: local_attention // 2 + 1 (attention.py's rule), or None
     rotaries: Rotaries
     layer_rotaries: tuple[str, ...]
@@ -184,17 +168,10 @@ class ModernBertSpec:
         # transformers: |q - kv| <= local_attention // 2 (sliding_window_bidirectional_overlay)
         window = config.local_attention // 2 + 1
         return cls(
-            model_type=config.model_type,
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            num_layers=config.num_hidden_layers,
-            num_heads=config.num_attention_heads,
-            intermediate_size=config.intermediate_size,
-            norm_eps=config.norm_eps,
+            **Widths.read(config, config.norm_eps, config.hidden_activation),
             norm_bias=config.norm_bias,
             attention_bias=config.attention_bias,
             mlp_bias=config.mlp_bias,
-            hidden_act=config.hidden_activation,
             windows=tuple(window if kind == "sliding_attention" else None for kind in config.layer_types),
             rotaries=rotaries,
             layer_rotaries=layer_rotaries,
