@@ -13,6 +13,7 @@ import serving  # noqa: E402
 import torch  # noqa: E402
 from builders import build_st_model, make_texts  # noqa: E402
 
+from st_fastbackend import SentenceTransformer  # noqa: E402
 from st_fastbackend.engine.runtime import choose_runtime  # noqa: E402
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -63,3 +64,24 @@ def st_model(tmp_path_factory):
 def served_folder(st_model) -> Path:
     """What the server tests serve: a small Mistral, last-token pooling, a "query" prompt."""
     return st_model("mistral", pooling_mode="lasttoken", prompts=serving.PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def folder(st_model):
+    """The model the corpus tests (test_corpus*.py) embed with; a module may have a `folder` of its own."""
+    return st_model("bert", pooling_mode="mean")
+
+
+@pytest.fixture(scope="module")
+def expected(folder, texts):
+    return SentenceTransformer(str(folder), backend="fast", device="cpu").encode(texts)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray of 2 CPUs, as this project's machines have, for the tests of one module."""
+    ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    yield
+    ray.shutdown()

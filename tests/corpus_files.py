@@ -9,6 +9,24 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
+
+from st_fastbackend.cli import main
+
+
+def embed_corpus(*args) -> None:
+    main(["embed-corpus", *map(str, args)])
+
+
+def refused(capsys, *args) -> str:
+    """The one line a refused job prints (exit status 2)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        embed_corpus(*args)
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("st-fastbackend: error: ")
+    return lines[-1]
 
 
 def empty_texts_without_tokens(monkeypatch) -> None:

@@ -116,58 +116,43 @@ def varlen_attn_2_11(
     )
 
 
-def varlen_attn_2_13(
-    query,
-    key,
-    value,
-    cu_seq_q,
-    cu_seq_k,
-    max_q,
-    max_k,
-    *,
-    return_aux=None,
-    scale=None,
-    window_size=(-1, -1),
-    enable_gqa=False,
-    seqused_k=None,
-    block_table=None,
-    num_splits=None,
-):
-    _same_heads(query, key, enable_gqa)
-    is_causal = window_size == (-1, 0)
-    return flash_reference(
-        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, causal=is_causal, window_size=window_size, scale=scale
-    )
+def _varlen_attn_from_2_12(cudnn_on_hopper: bool):
+    """varlen_attn as 2.12 and 2.13 have it; with `cudnn_on_hopper`, 2.14's, which sends long full non-causal
+    attention with equal heads to cuDNN on Hopper (the stand-in's (9, 0); varlen.py's _can_use_cudnn), whose causal
+    mask would count from the keys' start (never causal there)."""
+
+    def varlen_attn(
+        query,
+        key,
+        value,
+        cu_seq_q,
+        cu_seq_k,
+        max_q,
+        max_k,
+        *,
+        return_aux=None,
+        scale=None,
+        window_size=(-1, -1),
+        enable_gqa=False,
+        seqused_k=None,
+        block_table=None,
+        num_splits=None,
+    ):
+        _same_heads(query, key, enable_gqa)
+        full = list(window_size) == [-1, -1] and not enable_gqa and query.shape[1] == key.shape[1]
+        cudnn = cudnn_on_hopper and full and max_q > 128 and num_splits is None and block_table is None
+        Calls.cudnn += int(cudnn)
+        is_causal = window_size == (-1, 0)
+        return flash_reference(
+            query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, causal=is_causal, window_size=window_size,
+            scale=scale, top_left=cudnn,
+        )  # fmt: skip
+
+    return varlen_attn
 
 
-def varlen_attn_2_14(
-    query,
-    key,
-    value,
-    cu_seq_q,
-    cu_seq_k,
-    max_q,
-    max_k,
-    *,
-    return_aux=None,
-    scale=None,
-    window_size=(-1, -1),
-    enable_gqa=False,
-    seqused_k=None,
-    block_table=None,
-    num_splits=None,
-):
-    """2.13's, and cuDNN on Hopper (the stand-in's (9, 0)) for long full non-causal attention with equal heads
-    (varlen.py's _can_use_cudnn), whose causal mask would count from the keys' start (never causal here)."""
-    _same_heads(query, key, enable_gqa)
-    cudnn = max_q > 128 and list(window_size) == [-1, -1] and not enable_gqa and query.shape[1] == key.shape[1]
-    cudnn = cudnn and query.shape[-1] % 8 == 0 and num_splits is None and block_table is None
-    Calls.cudnn += int(cudnn)
-    is_causal = window_size == (-1, 0)
-    return flash_reference(
-        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, causal=is_causal, window_size=window_size, scale=scale,
-        top_left=cudnn,
-    )  # fmt: skip
+varlen_attn_2_13 = _varlen_attn_from_2_12(cudnn_on_hopper=False)
+varlen_attn_2_14 = _varlen_attn_from_2_12(cudnn_on_hopper=True)
 
 
 def flash_attn_2_0(

@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from corpus_files import (
     by_id,
+    embed_corpus,
     empty_texts_without_tokens,
     manifest,
     read_output,
@@ -24,21 +25,6 @@ from corpus_files import (
 from helpers import TOLERANCE
 
 from st_fastbackend import SentenceTransformer
-from st_fastbackend.cli import main
-
-
-@pytest.fixture(scope="module")
-def folder(st_model):
-    return st_model("bert", pooling_mode="mean")
-
-
-@pytest.fixture(scope="module")
-def expected(folder, texts):
-    return SentenceTransformer(str(folder), backend="fast", device="cpu").encode(texts)
-
-
-def embed_corpus(*args) -> None:
-    main(["embed-corpus", *map(str, args)])
 
 
 def test_shards_equal_encode_row_for_row_with_ids_kept(folder, texts, expected, tmp_path):

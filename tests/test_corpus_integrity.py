@@ -13,37 +13,20 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from corpus_files import by_id, flip_embedding_bytes, manifest, read_output, write_jsonl, write_parquet
+from corpus_files import (
+    by_id,
+    embed_corpus,
+    flip_embedding_bytes,
+    manifest,
+    read_output,
+    refused,
+    write_jsonl,
+    write_parquet,
+)
 from helpers import TOLERANCE
 
-from st_fastbackend import SentenceTransformer, cli_corpus
-from st_fastbackend.cli import main
+import st_fastbackend.cli.embed_corpus as cli_corpus
 from st_fastbackend.corpus.ids import REPEATED
-
-
-@pytest.fixture(scope="module")
-def folder(st_model):
-    return st_model("bert", pooling_mode="mean")
-
-
-@pytest.fixture(scope="module")
-def expected(folder, texts):
-    return SentenceTransformer(str(folder), backend="fast", device="cpu").encode(texts)
-
-
-def embed_corpus(*args) -> None:
-    main(["embed-corpus", *map(str, args)])
-
-
-def refused(capsys, *args) -> str:
-    """The one line a refused job prints (exit status 2)."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_:
-        embed_corpus(*args)
-    assert exit_.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert lines[-1].startswith("st-fastbackend: error: ")
-    return lines[-1]
 
 
 def test_duplicate_ids_are_refused_up_front(folder, texts, tmp_path, capsys):

@@ -18,24 +18,7 @@ from st_fastbackend.cli import main
 from st_fastbackend.integrations.ray import ROWS_PER_CALL
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def folder(st_model):
-    return st_model("bert", pooling_mode="mean")
-
-
-@pytest.fixture(scope="module")
-def expected(folder, texts):
-    return SentenceTransformer(str(folder), backend="fast", device="cpu").encode(texts)
+pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 
 def test_ray_cli_resumes_what_the_local_job_began(folder, texts, expected, tmp_path, capsys):

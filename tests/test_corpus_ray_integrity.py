@@ -8,34 +8,18 @@ import os
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from corpus_files import by_id, flip_embedding_bytes, manifest, read_output, write_jsonl
+from corpus_files import by_id, flip_embedding_bytes, manifest, read_output, refused, write_jsonl
 from helpers import TOLERANCE
 
 from st_fastbackend import SentenceTransformer
 from st_fastbackend.cli import main
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def folder(st_model):
-    return st_model("bert", pooling_mode="mean")
-
-
-def refused(capsys, *args) -> str:
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_:
-        main(["embed-corpus", *map(str, args), "--ray", "--num-workers", "1"])
-    assert exit_.value.code == 2
-    return capsys.readouterr().err.strip().splitlines()[-1]
+def refused_on_ray(capsys, *args) -> str:
+    return refused(capsys, *args, "--ray", "--num-workers", "1")
 
 
 def test_ray_refuses_a_held_folder_and_null_or_repeated_ids(folder, texts, tmp_path, capsys):
@@ -48,15 +32,15 @@ def test_ray_refuses_a_held_folder_and_null_or_repeated_ids(folder, texts, tmp_p
     try:
         fcntl.flock(holder, fcntl.LOCK_EX)
         os.write(holder, b"4242\n")
-        error = refused(capsys, tmp_path / "in.jsonl", tmp_path / "out", "--model", folder)
+        error = refused_on_ray(capsys, tmp_path / "in.jsonl", tmp_path / "out", "--model", folder)
     finally:
         os.close(holder)
     assert f"output folder {tmp_path / 'out'} is in use by another embed-corpus job (pid 4242, " in error
     write_jsonl(tmp_path / "repeated.jsonl", [*ids[:7], "doc-3", *ids[8:]], texts[1:13])
-    error = refused(capsys, tmp_path / "repeated.jsonl", tmp_path / "out", "--model", folder)
+    error = refused_on_ray(capsys, tmp_path / "repeated.jsonl", tmp_path / "out", "--model", folder)
     assert f"id 'doc-3' is given to 2 rows ({tmp_path / 'repeated.jsonl'} row 3, " in error
     write_jsonl(tmp_path / "null.jsonl", [*ids[:5], None, *ids[6:]], texts[1:13])
-    error = refused(capsys, tmp_path / "null.jsonl", tmp_path / "out", "--model", folder)
+    error = refused_on_ray(capsys, tmp_path / "null.jsonl", tmp_path / "out", "--model", folder)
     assert f"row id=None of {tmp_path / 'null.jsonl'} (row 5): its id is null; " in error
     assert not list((tmp_path / "out").glob("part-*.parquet"))
 

@@ -55,8 +55,12 @@ LAYOUTS = {
     ],
     "truncation from the left": lambda f: _edit_json(f / "tokenizer_config.json", truncation_side="left"),
     "pooling: cls and max, without lower-casing": lambda f: [
-        _edit_json(f / "1_Pooling" / "config.json", pooling_mode_mean_tokens=False, pooling_mode_cls_token=True,
-                   pooling_mode_max_tokens=True),
+        _edit_json(
+            f / "1_Pooling" / "config.json",
+            pooling_mode_mean_tokens=False,
+            pooling_mode_cls_token=True,
+            pooling_mode_max_tokens=True,
+        ),
         _edit_json(f / "tokenizer_config.json", do_lower_case=False),
     ],  # fmt: skip
     "lower-casing asked in sentence_bert_config.json": lambda f: [
