@@ -11,8 +11,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from st_fastbackend.engine.spec import UnsupportedModelError
     from st_fastbackend.models import SentenceTransformer
+    from st_fastbackend.models.chunking import Chunking
+    from st_fastbackend.models.cross_encoder import CrossEncoder
 
-__all__ = ["SentenceTransformer", "UnsupportedModelError"]
+__all__ = ["Chunking", "CrossEncoder", "SentenceTransformer", "UnsupportedModelError"]
 __version__ = "0.1.0"
 
 
@@ -23,6 +25,14 @@ def __getattr__(name: str):
         from st_fastbackend.models import SentenceTransformer
 
         return SentenceTransformer
+    if name == "CrossEncoder":
+        from st_fastbackend.models.cross_encoder import CrossEncoder
+
+        return CrossEncoder
+    if name == "Chunking":
+        from st_fastbackend.models.chunking import Chunking
+
+        return Chunking
     if name == "UnsupportedModelError":
         from st_fastbackend.engine.spec import UnsupportedModelError
 

@@ -13,9 +13,12 @@ import sentence_transformers
 import torch
 from sentence_transformers.base.modules import Transformer
 from sentence_transformers.sentence_transformer.modules import Pooling
+from sentence_transformers.util.tensor import _tensor_to_numpy
 from torch import Tensor
 
 from st_fastbackend.engine.spec import UnsupportedModelError
+from st_fastbackend.models.chunked import aggregate, chunk_vectors, pipeline_normalizes
+from st_fastbackend.models.chunking import Chunking, Chunks
 from st_fastbackend.models.fast import FastModel
 from st_fastbackend.models.host_rows import HostRows
 from st_fastbackend.modules import PackedPooling, PackedTransformer, check_texts
@@ -70,6 +73,7 @@ class SentenceTransformer(FastModel, sentence_transformers.SentenceTransformer):
         truncate_dim: int | None,
         device: str | torch.device | None,
         max_tokens_per_batch: int | None = None,
+        chunking: Chunking | None = None,
         **kwargs,
     ) -> list | Tensor:
         """encode()'s inner loop on packed batches (models/fast.py packed_runs); results in the caller's order."""
@@ -78,6 +82,11 @@ class SentenceTransformer(FastModel, sentence_transformers.SentenceTransformer):
         check_texts(inputs)  # before sorting, so an error names the caller's index
         device = self._resolve_inference_device(device)
         max_tokens = self._max_tokens_for(device, max_tokens_per_batch)
+        if chunking is not None:
+            run = {"device": device, "batch_size": batch_size, "max_tokens": max_tokens,
+                   "show_progress_bar": show_progress_bar, **kwargs}  # fmt: skip
+            return self._aggregated(inputs, chunking, prompt, output_value, normalize_embeddings, truncate_dim,
+                                    save_to_cpu, run)  # fmt: skip
         texts = self[0].texts
         if prompt:  # measured (and cached) now: the tokenizer must not run in two threads at once
             texts.prompt_length(prompt)
@@ -98,6 +107,53 @@ class SentenceTransformer(FastModel, sentence_transformers.SentenceTransformer):
         if output_value == "sentence_embedding":
             return torch.stack(results) if results else torch.tensor([], device=device)
         return results
+
+    def encode_chunks(
+        self, inputs: list[str], chunking: Chunking | None = None, *, prompt_name: str | None = None,
+        prompt: str | None = None, batch_size: int = 32, show_progress_bar: bool = False,
+        convert_to_tensor: bool = False, device: str | None = None, normalize_embeddings: bool = False,
+        truncate_dim: int | None = None, max_tokens_per_batch: int | None = None,
+    ) -> list[Chunks]:  # fmt: skip
+        """One `Chunks` per text: every chunk's vector (numpy, or tensors with convert_to_tensor) with its character
+        and token spans. The chunks of all texts run through the one packing schedule."""
+        if self.backend != "fast":
+            raise UnsupportedModelError('encode_chunks() (it needs backend="fast")')
+        chunking = chunking or Chunking(aggregate=None)
+        check_texts(inputs)
+        device = self._resolve_inference_device(device)
+        run = {"device": device, "batch_size": batch_size, "show_progress_bar": show_progress_bar,
+               "max_tokens": self._max_tokens_for(device, max_tokens_per_batch)}  # fmt: skip
+        truncate_dim = truncate_dim if truncate_dim is not None else self.truncate_dim
+        rows = _chunk_rows(truncate_dim, normalize_embeddings)
+        prompt = self._resolve_prompt(prompt, prompt_name)
+        with torch.inference_mode():
+            found = chunk_vectors(self, inputs, chunking, prompt, rows, to_cpu=not convert_to_tensor, **run)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        as_output = (lambda t: t) if convert_to_tensor else _tensor_to_numpy
+        return [Chunks(as_output(vectors), chars, spans) for vectors, spans, chars in found]
+
+    def _aggregated(self, inputs, chunking, prompt, output_value, normalize, truncate_dim, to_cpu, run) -> Tensor:
+        """encode(chunking=...): one vector per text, its chunks' aggregate."""
+        if chunking.aggregate is None:
+            raise ValueError("encode(chunking=Chunking(aggregate=None)) gives several vectors per text: call "
+                             "encode_chunks(), or give Chunking.aggregate ('mean', 'max' or 'first').")  # fmt: skip
+        if output_value != "sentence_embedding":
+            raise ValueError(f"encode(chunking=...) gives sentence embeddings; output_value={output_value!r} with it.")
+        found = chunk_vectors(self, inputs, chunking, prompt, _chunk_rows(truncate_dim, normalize), to_cpu, **run)
+        if run["device"].type == "cuda":
+            torch.cuda.synchronize(run["device"])
+        normalizes = pipeline_normalizes(self, normalize)
+        vectors = [aggregate(rows, spans, chunking.aggregate, normalizes) for rows, spans, _ in found]
+        return torch.stack(vectors) if vectors else torch.tensor([], device=run["device"])
+
+    def get_model_kwargs(self) -> list[str]:
+        return [*super().get_model_kwargs(), *(["chunking"] if self.backend == "fast" else [])]
+
+
+def _chunk_rows(truncate_dim: int | None, normalize: bool):
+    """A pack's rows for chunking, left on the device (models/chunked.py moves them)."""
+    return lambda out: _rows(out, "sentence_embedding", truncate_dim, normalize, False)
 
 
 def _rows(out: dict[str, Any], output_value: str | None, truncate_dim, normalize: bool, to_cpu: bool) -> list | Tensor:

@@ -15,6 +15,7 @@ import json
 import logging
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -162,6 +163,17 @@ class NoTokensError(ValueError):
         return f"{row} cannot be embedded: its text {self.text[:80]!r} has no tokens"
 
 
+@dataclass(frozen=True)
+class DocumentTokens:
+    """A document's one tokenization: `head` (BOS/CLS and the prompt) + `ids` (the text's tokens, `spans` their
+    (start, end) characters in the text) + `tail` (SEP/EOS), as an untruncated encode() would give them."""
+
+    head: list[int]
+    ids: list[int]
+    tail: list[int]
+    spans: list[tuple[int, int]]
+
+
 class TextTokenizer:
     """Texts -> token ids as the model expects them: the prompt first, BOS/EOS as tokenizer_config.json
     asks, truncated to `max_length` (default max_seq_length, the tokenizer's model_max_length), no padding.
@@ -198,6 +210,29 @@ class TextTokenizer:
             trailing_special = bool(ids) and ids[-1] in self.tokenizer.all_special_ids
             self._prompts[prompt] = tuple(ids[: len(ids) - trailing_special])
         return self._prompts[prompt]
+
+    def document(self, text: str, prompt: str | None = None) -> DocumentTokens:
+        """prompt + text tokenized whole, without truncation, split into what every chunk of it repeats (special
+        tokens and the prompt) and the text's own tokens with their character spans in `text` (chunking)."""
+        full = prompt + text if prompt else text
+        encoded = self.tokenizer(full, truncation=False, return_offsets_mapping=True, return_special_tokens_mask=True,
+                                 return_attention_mask=False, return_token_type_ids=False, verbose=False)  # fmt: skip
+        bos, eos = [self.tokenizer.bos_token_id] * self.add_bos, [self.tokenizer.eos_token_id] * self.add_eos
+        ids = bos + encoded["input_ids"] + eos
+        special = [1] * len(bos) + encoded["special_tokens_mask"] + [1] * len(eos)
+        end = len(ids)
+        while end and special[end - 1]:
+            end -= 1
+        start = next((i for i in range(end) if not special[i]), end)
+        if prompt:
+            start = len(self.prompt_ids(prompt))
+            if tuple(ids[:start]) != self.prompt_ids(prompt):  # the prompt's last token merged with the text's
+                raise ValueError(f"The prompt {prompt[:80]!r} does not tokenize apart from the text {text[:80]!r}: "
+                                 "its chunks cannot each begin with the prompt's own tokens.")  # fmt: skip
+        offsets = ([(0, 0)] * len(bos) + encoded["offset_mapping"])[start:end]
+        shift = len(full) - len(text)
+        spans = [(max(0, a - shift), max(0, b - shift)) for a, b in offsets]
+        return DocumentTokens(ids[:start], ids[start:end], ids[end:], spans)
 
     def _token_ids(self, texts: list[str], max_length: int | None) -> list[list[int]]:
         extra = int(self.add_bos) + int(self.add_eos)
