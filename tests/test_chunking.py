@@ -159,3 +159,39 @@ def test_errors(minilm, st_model):
     plain = PlainSentenceTransformer(minilm_path(), device="cpu")
     with pytest.raises(ValueError, match="chunking"):
         plain.encode(TEXTS, chunking=Chunking())
+
+
+def test_embed_corpus_chunk_rows_and_aggregate(st_model, tmp_path, capsys):
+    """--chunk-tokens: one row per chunk (id, chunk, char_start, char_end) equal to encode_chunks, resumable by
+    document id; --aggregate mean: one row per document equal to encode(chunking=)."""
+    import pyarrow.parquet as pq
+    from corpus_files import embed_corpus, refused, write_parquet
+
+    folder = st_model("bert", pooling_mode="mean")
+    model = SentenceTransformer(str(folder), backend="fast", device="cpu")
+    texts = [LONG[:600], "short", LONG[:300], "x y z"]
+    source = write_parquet(tmp_path / "in.parquet", ["a", "b", "c", "d"], texts)
+    chunking = Chunking(tokens=24, overlap=4, aggregate=None)
+    embed_corpus(source, tmp_path / "chunks", "--model", folder, "--chunk-tokens", 24, "--chunk-overlap", 4,
+                 "--shard-rows", 2)  # fmt: skip
+    table = pq.read_table(sorted((tmp_path / "chunks").glob("part-*.parquet")))
+    expected = model.encode_chunks(texts, chunking)
+    ids = [doc for doc, chunks in zip("abcd", expected, strict=True) for _ in chunks.token_spans]
+    assert table.column("id").to_pylist() == ids
+    assert table.column("chunk").to_pylist() == [k for c in expected for k in range(len(c.token_spans))]
+    spans = list(zip(table.column("char_start").to_pylist(), table.column("char_end").to_pylist(), strict=True))
+    assert spans == [span for c in expected for span in c.char_spans]
+    rows = np.stack(table.column("embedding").to_numpy(zero_copy_only=False))
+    assert max_diff(rows, np.concatenate([c.embeddings for c in expected])) <= TOLERANCE
+    embed_corpus(source, tmp_path / "chunks", "--model", folder, "--chunk-tokens", 24, "--chunk-overlap", 4)
+    assert "0 rows embedded (4 done before" in capsys.readouterr().err  # resumed by document id: nothing left
+
+    embed_corpus(source, tmp_path / "mean", "--model", folder, "--chunk-tokens", 24, "--aggregate", "mean")
+    table = pq.read_table(sorted((tmp_path / "mean").glob("part-*.parquet")))
+    want = model.encode(texts, chunking=Chunking(tokens=24))
+    assert table.column("id").to_pylist() == list("abcd")
+    assert max_diff(np.stack(table.column("embedding").to_numpy(zero_copy_only=False)), want) <= TOLERANCE
+    assert "--late need --chunk-tokens" in refused(capsys, source, tmp_path / "x", "--model", folder, "--late")
+    assert "--chunk-overlap" in refused(capsys, source, tmp_path / "x", "--model", folder, "--chunk-tokens", 4,
+                                        "--chunk-overlap", 4)  # fmt: skip
+    assert "another job" in refused(capsys, source, tmp_path / "mean", "--model", folder, "--chunk-tokens", 24)

@@ -50,6 +50,19 @@ def add_embed_corpus(commands, formatter_class) -> None:
     corpus.add_argument("--skip-duplicate-ids", action="store_true",
                         help="list every row whose id other rows have too in rejects.parquet (none of them embedded), "
                              "not stop")  # fmt: skip
+    chunks = corpus.add_argument_group("long documents: chunks instead of truncation (README: Long documents)")
+    chunks.add_argument(
+        "--chunk-tokens",
+        type=positive,
+        default=None,
+        help="text tokens per chunk; one row per chunk (id, chunk, char_start, char_end, embedding)",
+    )
+    chunks.add_argument("--chunk-overlap", type=int, default=None, help="tokens neighbouring chunks share (0)")
+    chunks.add_argument(
+        "--late", action="store_true", help="late chunking: each chunk pooled in its document's window"
+    )
+    chunks.add_argument("--aggregate", default=None, choices=("mean", "max", "first"),
+                        help="one row per document: its chunks' mean (token-weighted), max or first")  # fmt: skip
     ray = corpus.add_argument_group("Ray Data (pip install st_fastbackend[ray])")
     ray.add_argument("--ray", action="store_true", help="run the job as a Ray Data pipeline")
     ray.add_argument("--ray-address", default=None, help="a running cluster; default: start Ray on this machine")
@@ -75,6 +88,7 @@ def embed_corpus(args: argparse.Namespace) -> None:
     if importlib.util.find_spec("pyarrow") is None:
         raise CliError("embed-corpus reads and writes through pyarrow: pip install pyarrow")
     _check_ray_options(args)
+    args.chunking = _chunking(args)
     check_model(args.model)
     try:
         scan = scan_input(input_files(args.input), Columns(args.id_column, args.text_column), not args.skip_invalid,
@@ -97,8 +111,29 @@ def _output_folder(args: argparse.Namespace, scan):
 
     spec = JobSpec(model_name(args.model), model_identity(args.model), scan.fingerprint, args.id_column,
                    args.text_column, args.prompt, args.prompt_name, args.output_dtype, args.max_seq_length, args.dtype,
-                   args.matmul_precision)  # fmt: skip
+                   args.matmul_precision, args.chunking)  # fmt: skip
     return OutputFolder(args.output_dir, spec)
+
+
+def _chunking(args: argparse.Namespace) -> dict | None:
+    """The job's Chunking as a dict (recorded in the folder's identity), checked before the model loads."""
+    from st_fastbackend.models.chunking import Chunking
+
+    given = [f"--{name}" for name, value in (("chunk-overlap", args.chunk_overlap), ("late", args.late or None),
+                                             ("aggregate", args.aggregate)) if value is not None]  # fmt: skip
+    if args.chunk_tokens is None:
+        if given:
+            raise CliError(f"{', '.join(given)} need --chunk-tokens")
+        return None
+    if args.ray:
+        raise CliError("--chunk-tokens runs on this machine only, not with --ray")
+    options = {"tokens": args.chunk_tokens, "overlap": args.chunk_overlap or 0, "aggregate": args.aggregate,
+               "late": args.late}  # fmt: skip
+    try:
+        Chunking(**options)
+    except ValueError as error:
+        raise CliError(str(error).replace("Chunking.overlap", "--chunk-overlap")) from error
+    return options
 
 
 def _check_ray_options(args: argparse.Namespace) -> None:
@@ -119,11 +154,13 @@ def _check_ray_options(args: argparse.Namespace) -> None:
 
 def _run_local(args, scan, folder, done) -> None:
     from st_fastbackend.corpus.job import TextEmbedder, run_local
+    from st_fastbackend.models.chunking import Chunking
 
     model = load_model(args)
     try:
         embed = TextEmbedder(model, prompt=args.prompt, prompt_name=args.prompt_name, batch_size=args.batch_size,
-                             max_tokens_per_batch=args.max_tokens_per_batch)  # fmt: skip
+                             max_tokens_per_batch=args.max_tokens_per_batch,
+                             chunking=Chunking(**args.chunking) if args.chunking else None)  # fmt: skip
     except ValueError as error:  # an unknown prompt name
         raise CliError(first_line(error)) from error
     progress = run_local(scan, folder, done, embed, args.shard_rows)

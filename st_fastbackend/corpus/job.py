@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -24,6 +25,8 @@ from st_fastbackend.corpus.read import (
     still_to_embed,
 )
 from st_fastbackend.embedder import Embedder
+from st_fastbackend.models.chunked import aggregate, pipeline_normalizes
+from st_fastbackend.models.chunking import Chunking
 from st_fastbackend.modules.tokenizer import NoTokensError
 
 
@@ -33,8 +36,10 @@ class TextEmbedder:
     from call to call. A text without any token raises NoTokensError (its position)."""
 
     def __init__(self, model, *, prompt: str | None = None, prompt_name: str | None = None, batch_size: int = 32,
-                 max_tokens_per_batch: int | None = None, normalize_embeddings: bool = False) -> None:  # fmt: skip
+                 max_tokens_per_batch: int | None = None, normalize_embeddings: bool = False,
+                 chunking: Chunking | None = None) -> None:  # fmt: skip
         model.eval()
+        self.model, self.chunking = model, chunking
         self.embedder = Embedder(model)
         self.prompt = self.embedder.resolve_prompt(prompt, prompt_name)  # ValueError for an unknown name
         self.dimension = self.embedder.dimension
@@ -53,6 +58,25 @@ class TextEmbedder:
             rows[picked] = embeddings.cpu().numpy()
         self.max_tokens = schedule.max_tokens
         return rows, np.array([len(ids) for ids in sequences], np.int64)
+
+    def chunks(self, texts: list[str]) -> tuple[np.ndarray, int, dict[str, Any]]:
+        """--chunk-tokens: (rows, tokens run, columns): one row per chunk (columns: `row`, the text's position,
+        `chunk`, `char_start`, `char_end`), or per text with an aggregate (columns: only `row`)."""
+        found = self.model.encode_chunks(texts, self.chunking, prompt=self.prompt, batch_size=self.batch_size,
+                                         normalize_embeddings=self.normalize,
+                                         max_tokens_per_batch=self.max_tokens)  # fmt: skip
+        around = self.model[0].texts.document("", self.prompt)  # what every chunk runs besides its own tokens
+        tokens = sum(e - s + len(around.head) + len(around.tail) for c in found for s, e in c.token_spans)
+        how = self.chunking.aggregate
+        if how is not None:
+            normalizes = pipeline_normalizes(self.model, self.normalize)
+            rows = [aggregate(torch.from_numpy(c.embeddings), c.token_spans, how, normalizes) for c in found]
+            return torch.stack(rows).float().numpy(), tokens, {"row": list(range(len(texts)))}
+        columns = {"row": [i for i, c in enumerate(found) for _ in c.token_spans],
+                   "chunk": [k for c in found for k in range(len(c.token_spans))],
+                   "char_start": [a for c in found for a, _ in c.char_spans],
+                   "char_end": [b for c in found for _, b in c.char_spans]}  # fmt: skip
+        return np.concatenate([c.embeddings for c in found]).astype(np.float32), tokens, columns
 
 
 def pending_rows(scan: InputScan, columns: Columns, done: pa.Array | None) -> Iterator[pa.RecordBatch]:
@@ -93,13 +117,14 @@ def run_local(scan: InputScan, folder: OutputFolder, done: pa.Array | None, embe
         for shard in in_shards(pending_rows(scan, columns, done), shard_rows):
             texts = shard.column(columns.text).to_pylist()
             try:
-                rows, tokens = embed(texts)
+                rows, tokens, extra = embed.chunks(texts) if embed.chunking else (*embed(texts), {})
             except NoTokensError as error:
                 row = f"the row with {columns.id} {shard.column(columns.id)[error.index].as_py()!r}"
                 raise CorpusError(f"{error.about(row)}; this shard was not written") from error
-            folder.write_shard(f"part-{run}-00000-{progress.shards:05d}.parquet", shard.column(columns.id), rows)
+            ids = shard.column(columns.id).take(extra.pop("row")) if "row" in extra else shard.column(columns.id)
+            folder.write_shard(f"part-{run}-00000-{progress.shards:05d}.parquet", ids, rows, extra)
             progress.rows += len(texts)
-            progress.tokens += int(tokens.sum())
+            progress.tokens += int(np.sum(tokens))
             progress.shards += 1
             bar.update(len(texts))
             bar.set_postfix_str(f"{progress.tokens_per_second():,.0f} tokens/s", refresh=False)

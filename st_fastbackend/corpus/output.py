@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from st_fastbackend import __version__
@@ -50,6 +51,7 @@ class JobSpec:
     max_seq_length: int | None
     dtype: str | None  # --dtype
     matmul_precision: str | None  # bf16 products give other numbers than fp32 ones
+    chunking: dict | None = None  # --chunk-tokens and its options (models/chunking.py), None: one row per text
 
 
 def model_name(model: str) -> str:
@@ -94,6 +96,8 @@ class OutputFolder:
             (self.path / MANIFEST).unlink()  # the job is not complete until those rows are embedded again
         done = [self._ids(shard) for shard, why in verdicts if why is None]
         done = pa.concat_arrays([chunk for column in done for chunk in column.chunks]) if done else None
+        if done is not None and self.spec.chunking and self.spec.chunking.get("aggregate") is None:
+            done = pc.unique(done)  # one row per chunk: a document's id on each of its rows
         check_free_space(self.path, rows - (0 if done is None else len(done)), width, self.spec.output_dtype)
         return done
 
@@ -166,11 +170,12 @@ class OutputFolder:
                 f"input and options, or start over in an empty folder (remove {self.path}, or write to another one)"
             )
 
-    def write_shard(self, name: str, ids: pa.Array, rows: np.ndarray) -> None:
-        """ids and their embeddings [n, dim] as one complete file, its size and sha256 recorded beside it first."""
+    def write_shard(self, name: str, ids: pa.Array, rows: np.ndarray, columns: dict | None = None) -> None:
+        """ids and their embeddings [n, dim] (and `columns` between them: a chunk's index and character span) as one
+        complete file, its size and sha256 recorded beside it first."""
         values = pa.array(rows.astype(OUTPUT_DTYPES[self.spec.output_dtype]).reshape(-1))
         embedding = pa.FixedSizeListArray.from_arrays(values, rows.shape[1])
-        table = pa.table({self.spec.id_column: ids, "embedding": embedding})
+        table = pa.table({self.spec.id_column: ids, **(columns or {}), "embedding": embedding})
         sink = pa.BufferOutputStream()
         pq.write_table(table.replace_schema_metadata(self.metadata(rows.shape[1])), sink)
         data = sink.getvalue()
