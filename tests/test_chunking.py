@@ -195,3 +195,31 @@ def test_embed_corpus_chunk_rows_and_aggregate(st_model, tmp_path, capsys):
     assert "--chunk-overlap" in refused(capsys, source, tmp_path / "x", "--model", folder, "--chunk-tokens", 4,
                                         "--chunk-overlap", 4)  # fmt: skip
     assert "another job" in refused(capsys, source, tmp_path / "mean", "--model", folder, "--chunk-tokens", 24)
+
+
+def test_server_chunking_field(served_folder):
+    """/v1/embeddings with `chunking`: an aggregate in OpenAI's shape equal to encode(chunking=), without one each
+    input's chunks with their text spans equal to encode_chunks; late chunking and unknown fields refused."""
+    import httpx
+    from serving import KEY, start_server
+
+    model = SentenceTransformer(str(served_folder), backend="fast", device="cpu")
+    texts = [LONG[:700], "short text"]
+    process, url = start_server(served_folder, "--api-key", KEY)
+    try:
+        post = lambda body: httpx.post(f"{url}/v1/embeddings", json=body, timeout=60,  # noqa: E731
+                                       headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
+        mean = post({"input": texts, "chunking": {"tokens": 30, "overlap": 5}}).json()
+        want = model.encode(texts, chunking=Chunking(tokens=30, overlap=5))
+        assert max_diff([d["embedding"] for d in mean["data"]], want) <= TOLERANCE
+        each = post({"input": texts, "chunking": {"tokens": 30, "overlap": 5, "aggregate": None}}).json()
+        for item, chunks in zip(each["data"], model.encode_chunks(texts, Chunking(tokens=30, overlap=5)), strict=True):
+            assert [c["text_span"] for c in item["chunks"]] == [list(span) for span in chunks.char_spans]
+            assert max_diff([c["embedding"] for c in item["chunks"]], chunks.embeddings) <= TOLERANCE
+        late = post({"input": texts, "chunking": {"late": True}})
+        assert late.status_code == 400 and "chunking.late" in late.text
+        unknown = post({"input": texts, "chunking": {"size": 3}})
+        assert unknown.status_code == 400 and "Unknown chunking field 'size'" in unknown.text
+    finally:
+        process.terminate()
+        process.wait(30)

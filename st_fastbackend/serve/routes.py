@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from st_fastbackend.embedder import Embedder
+from st_fastbackend.serve import chunked
 from st_fastbackend.serve.batcher import Batcher, Job, ShuttingDown
 from st_fastbackend.serve.errors import ApiError, server_error
 from st_fastbackend.serve.limits import Limits
@@ -83,9 +84,16 @@ async def _embed(served: Served, body: EmbeddingRequest, request: Request) -> li
     prompt = _prompt(served.embedder, body)
     if prompt and token_ids is not None:
         raise ApiError(400, "prompt and prompt_name apply to text input, not to token ids.")
+    chunking = chunked.parse(body.chunking) if body.chunking is not None else None
+    if chunking is not None and token_ids is not None:
+        raise ApiError(400, "chunking applies to text input, not to token ids.")
     try:
-        ids = await served.tokenizer(texts, token_ids, prompt, body.truncate)
-        return await _unless_client_left(served.batcher.submit(Job(token_ids=ids, prompt=prompt)), request)
+        if chunking is None:
+            ids = await served.tokenizer(texts, token_ids, prompt, body.truncate)
+            return await _unless_client_left(served.batcher.submit(Job(token_ids=ids, prompt=prompt)), request)
+        ids, found = await chunked.chunk_plan(served.tokenizer, texts, prompt, chunking)
+        rows = await _unless_client_left(served.batcher.submit(Job(token_ids=ids, prompt=prompt)), request)
+        return None if rows is None else chunked.per_text(rows, found, chunking, served.embedder.normalizes)
     except InputError as error:
         raise ApiError(400, str(error)) from error
     except ShuttingDown as error:
@@ -128,17 +136,25 @@ def _prompt(embedder: Embedder, body: EmbeddingRequest) -> str | None:
 
 def _response(rows: list, body: EmbeddingRequest, served_model_name: str, normalizes: bool) -> Response:
     data = []
-    for index, (row, _) in enumerate(rows):
-        vector = row[: body.dimensions] if body.dimensions else row
-        if body.dimensions and normalizes:
-            vector = torch.nn.functional.normalize(vector, dim=0)
+    for index, (row, _, *spans) in enumerate(rows):
+        if spans:  # chunking without an aggregate: the text's chunks [k, dim] and their characters
+            chunks = [{"embedding": _encode(_sized(vector, body, normalizes), body.encoding_format),
+                       "text_span": list(span)} for vector, span in zip(row, spans[0], strict=True)]  # fmt: skip
+            data.append({"object": "embedding", "index": index, "chunks": chunks})
+            continue
+        vector = _sized(row, body, normalizes)
         data.append({"object": "embedding", "index": index, "embedding": _encode(vector, body.encoding_format)})
-    tokens = sum(n for _, n in rows)
+    tokens = sum(row[1] for row in rows)
     usage = {"prompt_tokens": tokens, "total_tokens": tokens}
     # orjson writes the float32 arrays directly (shortest form that reads back to the same float32),
     # skipping FastAPI's encoder walk and a Python float per value.
     payload = {"object": "list", "data": data, "model": served_model_name, "usage": usage}
     return Response(orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json")
+
+
+def _sized(row: torch.Tensor, body: EmbeddingRequest, normalizes: bool) -> torch.Tensor:
+    vector = row[: body.dimensions] if body.dimensions else row
+    return torch.nn.functional.normalize(vector, dim=0) if body.dimensions and normalizes else vector
 
 
 def _encode(vector: torch.Tensor, encoding_format: str) -> np.ndarray | str:

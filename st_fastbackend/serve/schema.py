@@ -26,6 +26,7 @@ class EmbeddingRequest(BaseModel):
     truncate: bool = True  # like sentence-transformers: cut at max_seq_length (--max-input-tokens)
     prompt_name: str | None = None  # sentence-transformers extensions
     prompt: str | None = None
+    chunking: dict | None = None  # issue 31: models/chunking.py's fields, checked by serve/chunked.py
 
 
 def request_inputs(
