@@ -80,7 +80,7 @@ def rss_bytes(pid: int) -> int:
 @contextlib.contextmanager
 def busy_worker(url: str, inputs: list[str], headers: dict):
     """While the worker embeds `inputs` (one request): whatever is sent meanwhile queues up and is then
-    taken as one batch."""
+    taken as one batch, where the server runs `inputs` as one pack (the worker lets requests in between packs)."""
     taken = metric(url, "embedding_queue_wait_seconds_count", headers)
     result = {}
     thread = threading.Thread(

@@ -19,6 +19,10 @@ from serving import HEADERS, KEY, busy_worker, metric, open_socket, request_head
 from st_fastbackend import SentenceTransformer
 from st_fastbackend.modules.tokenizer import clip_text
 
+# A request of up to 2,000 inputs is one pack, however long it runs: what arrives meanwhile waits for it and
+# is then taken together (busy_worker), so a batch that fails and requests that leave in time are tested.
+ONE_PACK = ("--max-batch-size", "2000", "--max-tokens-per-batch", "1000000", "--max-pack-seconds", "1000")
+
 
 @pytest.fixture(scope="module")
 def model(served_folder):
@@ -27,7 +31,7 @@ def model(served_folder):
 
 @pytest.fixture(scope="module")
 def server(served_folder):
-    process, url = start_server(served_folder, "--api-key", KEY, "--max-batch-size", "2000")
+    process, url = start_server(served_folder, "--api-key", KEY, *ONE_PACK)
     yield url
     process.terminate()
     process.wait(30)
@@ -75,7 +79,7 @@ def narrow_bert(st_model, tmp_path_factory):
 
 
 def test_a_failing_forward_fails_only_its_own_request(narrow_bert, texts):
-    process, url = start_server(narrow_bert, "--max-batch-size", "2000")
+    process, url = start_server(narrow_bert, *ONE_PACK)
     try:
         short = [t for t in texts if t and len(t.split()) < 8][:12]
         with busy_worker(url, short * 100, {}), ThreadPoolExecutor(len(short) + 1) as pool:
@@ -248,3 +252,82 @@ def test_health_says_unhealthy_once_the_device_failed(served_folder, monkeypatch
     finally:
         server.should_exit = True
         thread.join(60)
+
+
+def test_fill_pack_takes_a_sequence_of_each_job_in_turn_least_recently_served_first():
+    from collections import deque
+
+    from st_fastbackend.serve.batcher import Job, Running, fill_pack
+
+    big = Running.of(Job(token_ids=[[1] * 10] * 6, prompt=None))
+    big.served = 3
+    old = Running.of(Job(token_ids=[[1] * 4, [1] * 30], prompt=None))
+    old.served = 2
+    new = Running.of(Job(token_ids=[[1] * 5], prompt=None))  # never served: first
+    # new's 5, old's longest (30); big's 10 would pass 40 tokens, old's other 4 fits
+    assert fill_pack([big, old, new], max_texts=100, max_tokens=40) == [(new, 0), (old, 1), (old, 0)]
+    assert fill_pack([big, old], max_texts=100, max_tokens=40) == [(big, 0), (big, 1), (big, 2), (big, 3)]
+    assert big.todo == deque([4, 5])
+    assert fill_pack([big], max_texts=1, max_tokens=1000) == [(big, 4)]
+    assert len(fill_pack([Running.of(Job(token_ids=[[1] * 50], prompt=None))], 8, 10)) == 1  # too long: alone
+
+
+@pytest.fixture(scope="module")
+def minilm_server():
+    from helpers import minilm_path
+
+    process, url = start_server(minilm_path())
+    yield url
+    process.terminate()
+    process.wait(30)
+
+
+def test_a_probe_waits_for_one_pack_not_for_a_request_of_256_texts_of_256_tokens(minilm_server):
+    """all-MiniLM-L6-v2, 65,536 tokens in one request (seconds of model time here): one-text requests sent
+    while it runs are each answered in under 1 s, before it; every row is encode()'s."""
+    from helpers import minilm_path
+
+    url = minilm_server
+    big = [long_text(300, seed) for seed in range(256)]
+    probes, waited = [f"probe number {i}" for i in range(3)], []
+    with ThreadPoolExecutor(1) as pool:
+        taken = metric(url, "embedding_queue_wait_seconds_count")
+        running = pool.submit(httpx.post, f"{url}/v1/embeddings", json={"input": big}, timeout=600)
+        while metric(url, "embedding_queue_wait_seconds_count") == taken:
+            time.sleep(0.02)
+        answers = []
+        for text in probes:
+            start = time.perf_counter()
+            answers.append(httpx.post(f"{url}/v1/embeddings", json={"input": text}, timeout=600))
+            waited.append(time.perf_counter() - start)
+        assert not running.done()  # the probes went past it
+        response = running.result()
+    assert response.status_code == 200 and response.json()["usage"]["prompt_tokens"] == 256 * 256
+    assert max(waited) < 1.0, waited
+    minilm = SentenceTransformer(minilm_path(), backend="fast", device=DEVICE)
+    rows = [row["embedding"] for row in response.json()["data"]]
+    np.testing.assert_allclose(rows, minilm.encode(big), atol=1e-5, rtol=0)
+    probe_rows = [answer.json()["data"][0]["embedding"] for answer in answers]
+    np.testing.assert_allclose(probe_rows, minilm.encode(probes), atol=1e-5, rtol=0)
+
+
+def test_a_request_whose_client_leaves_stops_before_its_next_pack(served_folder):
+    process, url = start_server(served_folder, "--max-batch-size", "3000", "--max-tokens-per-batch", "256")
+    try:
+        texts = [long_text(60, seed) for seed in range(3000)]
+        body = json.dumps({"input": texts}).encode()
+        head = request_head("/v1/embeddings", {"Content-Type": "application/json", "Content-Length": str(len(body))})
+        with open_socket(url) as sock:
+            sock.sendall(head + body)
+            deadline = time.time() + 60
+            while metric(url, "embedding_batch_texts_count") < 3 and time.time() < deadline:
+                time.sleep(0.02)
+        deadline = time.time() + 60
+        while metric(url, "embedding_dropped_requests_total") < 1 and time.time() < deadline:
+            time.sleep(0.05)
+        assert metric(url, "embedding_dropped_requests_total") == 1
+        assert metric(url, "embedding_batch_texts_sum") < len(texts) / 2
+        assert httpx.post(f"{url}/v1/embeddings", json={"input": "still here"}).status_code == 200
+    finally:
+        process.terminate()
+        process.wait(30)

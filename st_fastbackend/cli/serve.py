@@ -33,7 +33,10 @@ def add_serve(serve: argparse.ArgumentParser) -> None:
                        help="characters of all inputs of one request together; 413 past this")  # fmt: skip
     serve.add_argument("--body-timeout", type=float, default=Limits.body_timeout,
                        help="seconds for a request body to arrive; 408 past this")  # fmt: skip
-    serve.add_argument("--no-dynamic-batching", action="store_true", help="one request per forward pass")
+    serve.add_argument("--max-pack-seconds", type=float, default=0.25,
+                       help="model time a pack aims at (fewer tokens where the rate measured says so): what a "
+                            "request arriving mid-pack waits")  # fmt: skip
+    serve.add_argument("--no-dynamic-batching", action="store_true", help="one request at a time")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="for the server's and the library's log lines")  # fmt: skip
     serve.add_argument("--no-access-log", action="store_true", help="no line per request")
@@ -60,6 +63,7 @@ def serve(args: argparse.Namespace) -> None:
         dynamic_batching=not args.no_dynamic_batching,
         limits=Limits(args.max_body_bytes, args.max_request_chars, args.body_timeout),
         public_metrics=args.public_metrics,
+        pack_seconds=args.max_pack_seconds,
     )
     logger.info(
         f"Serving {name!r} ({args.model}): dimension {model.get_embedding_dimension()}, {describe(model)}, "

@@ -10,7 +10,7 @@ from fastapi import FastAPI
 
 from st_fastbackend.embedder import Embedder
 from st_fastbackend.engine.fused import MIN_TOKENS
-from st_fastbackend.serve.batcher import Batcher, Job
+from st_fastbackend.serve.batcher import PACK_SECONDS, Batcher, Job
 from st_fastbackend.serve.errors import ErrorResponses, add_error_handlers
 from st_fastbackend.serve.guard import Guard
 from st_fastbackend.serve.limits import Limits
@@ -29,12 +29,14 @@ def create_app(
     dynamic_batching: bool = True,
     limits: Limits | None = None,
     public_metrics: bool = False,
+    pack_seconds: float = PACK_SECONDS,
 ) -> FastAPI:
     """`model`: a SentenceTransformer loaded with backend="fast". After a device failure (serve/batcher.py)
     every request is a 503 and /health says unhealthy; `app.state.batcher.on_failure` is then called, from
     the worker's thread (the CLI stops the server with it)."""
     limits, metrics, embedder = limits or Limits(), Metrics(), Embedder(model)
-    batcher = Batcher(embedder, max_tokens_per_batch, max_batch_size, metrics, dynamic_batching)
+    batcher = Batcher(embedder, max_tokens_per_batch, max_batch_size, metrics, dynamic_batching,
+                      pack_seconds=pack_seconds)  # fmt: skip
     tokenizer = RequestTokenizer(embedder, max_input_tokens)
     served = Served(embedder, served_model_name, tokenizer, batcher, limits, max_batch_size, metrics)
     app = FastAPI(title="st_fastbackend", lifespan=_lifespan(served))

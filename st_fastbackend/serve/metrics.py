@@ -27,8 +27,9 @@ class Metrics:
             registry=registry,
         )  # fmt: skip
         self.dropped = Counter(
-            "embedding_dropped_requests_total", "Requests whose client left before the model ran", registry=registry
-        )
+            "embedding_dropped_requests_total", "Requests whose client left before the model finished them",
+            registry=registry,
+        )  # fmt: skip
         self.reruns = Counter(
             "embedding_batch_reruns_total", "Failed batches run again job by job to isolate the failure",
             registry=registry,

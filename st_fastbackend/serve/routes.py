@@ -90,9 +90,9 @@ async def _embed(served: Served, body: EmbeddingRequest, request: Request) -> li
     try:
         if chunking is None:
             ids = await served.tokenizer(texts, token_ids, prompt, body.truncate)
-            return await _unless_client_left(served.batcher.submit(Job(token_ids=ids, prompt=prompt)), request)
+            return await _unless_client_left(served.batcher, Job(token_ids=ids, prompt=prompt), request)
         ids, found = await chunked.chunk_plan(served.tokenizer, texts, prompt, chunking)
-        rows = await _unless_client_left(served.batcher.submit(Job(token_ids=ids, prompt=prompt)), request)
+        rows = await _unless_client_left(served.batcher, Job(token_ids=ids, prompt=prompt), request)
         return None if rows is None else chunked.per_text(rows, found, chunking, served.embedder.normalizes)
     except InputError as error:
         raise ApiError(400, str(error)) from error
@@ -103,10 +103,10 @@ async def _embed(served: Served, body: EmbeddingRequest, request: Request) -> li
         raise server_error(error) from error
 
 
-async def _unless_client_left(job: asyncio.Future, request: Request) -> list | None:
+async def _unless_client_left(batcher: Batcher, job: Job, request: Request) -> list | None:
     """The job's result, or None once the client disconnects; a job the worker has not taken yet is then
-    cancelled and never reaches the model."""
-    result = asyncio.wrap_future(job)
+    cancelled and never reaches the model, one it is running stops before its next pack."""
+    result = asyncio.wrap_future(batcher.submit(job))
     left = asyncio.ensure_future(_disconnect(request))
     try:
         await asyncio.wait({result, left}, return_when=asyncio.FIRST_COMPLETED)
@@ -115,6 +115,7 @@ async def _unless_client_left(job: asyncio.Future, request: Request) -> list | N
     if result.done():
         return result.result()
     result.cancel()  # cancels the job too, unless the worker is running it
+    job.left = True
     return None
 
 
