@@ -157,3 +157,57 @@ def add_e5_tokenizer_contradiction(folder: Path) -> None:
     config = json.loads(path.read_text())
     config.update(add_bos_token=True, add_eos_token=True, tokenizer_class="LlamaTokenizer")
     path.write_text(json.dumps(config, indent=2))
+
+
+# Cross-encoder tokenizers: what each family's post-processor does with a pair. BERT's second text is segment 1.
+PAIR_TEMPLATES = {
+    "bert": ("<s> $A </s>", "<s> $A </s> $B:1 </s>:1"),
+    "roberta": ("<s> $A </s>", "<s> $A </s> </s> $B </s>"),
+    "xlm-roberta": ("<s> $A </s>", "<s> $A </s> </s> $B </s>"),
+    "modernbert": ("<s> $A </s>", "<s> $A </s> $B </s>"),
+}
+DECODER_PAIR_TEMPLATE = ("<s> $A", "<s> $A $B")
+
+
+@functools.cache
+def train_pair_tokenizer(single: str, pair: str) -> PreTrainedTokenizerFast:
+    """train_tokenizer's vocabulary with a pair template, and "yes"/"no" as tokens (LogitScore reads them);
+    token type ids among its outputs where the template has a segment 1, as BERT's tokenizer has them."""
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "<s>", "</s>", "<pad>", "yes", "no"])
+    tokenizer.train_from_iterator(make_texts(2000, seed=2, max_words=30)[2:], trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=single, pair=pair, special_tokens=[("<s>", 1), ("</s>", 2)]
+    )
+    names = ["input_ids", "token_type_ids", "attention_mask"] if ":1" in pair else ["input_ids", "attention_mask"]
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        model_input_names=names,
+        model_max_length=512,  # as real cross-encoders' tokenizer_config.json
+    )
+
+
+def build_cross_encoder(
+    folder: Path, family: str, num_labels: int = 1, causal_lm: bool = False, seed: int = 0, **overrides
+) -> Path:
+    """A random-weight Hugging Face cross-encoder checkpoint: *ForSequenceClassification with `num_labels`, or
+    with `causal_lm` the *ForCausalLM class (which CrossEncoder reads with LogitScore("yes", "no"))."""
+    spec = {"vocab_size": 600, "max_position_embeddings": 512, **MODEL_CONFIGS[family], **overrides}
+    config = transformers.AutoConfig.for_model(
+        bos_token_id=1, eos_token_id=2, pad_token_id=3, num_labels=num_labels, **spec
+    )
+    torch.manual_seed(seed)
+    auto_class = transformers.AutoModelForCausalLM if causal_lm else transformers.AutoModelForSequenceClassification
+    model = auto_class.from_config(config)
+    with torch.no_grad():  # default init leaves biases and norms trivial; make every tensor matter
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    model.save_pretrained(folder)
+    train_pair_tokenizer(*PAIR_TEMPLATES.get(family, DECODER_PAIR_TEMPLATE)).save_pretrained(folder)
+    return folder

@@ -22,10 +22,15 @@ class PackedBatch:
     cu_seqlens: Tensor  # [B+1] int32, sequence i is tokens cu_seqlens[i] : cu_seqlens[i+1]
     max_seqlen: int
     lengths: tuple[int, ...]  # the same boundaries, kept on the CPU so loops never call .item()
+    token_type_ids: Tensor | None = None  # [T] int64, a pair's segments (BERT); None: segment 0 everywhere
 
     @classmethod
-    def from_sequences(cls, sequences: Sequence[Sequence[int]], position_offset: int = 0) -> PackedBatch:
-        """Pack token-id lists; `position_offset` starts positions at e.g. padding_idx + 1 (RoBERTa)."""
+    def from_sequences(
+        cls, sequences: Sequence[Sequence[int]], position_offset: int = 0,
+        token_types: Sequence[Sequence[int]] | None = None,
+    ) -> PackedBatch:  # fmt: skip
+        """Pack token-id lists; `position_offset` starts positions at e.g. padding_idx + 1 (RoBERTa);
+        `token_types`: each sequence's segment ids, as a tokenizer gives them for a pair."""
         lengths = tuple(len(ids) for ids in sequences)
         if not lengths or min(lengths) == 0:
             raise ValueError("A PackedBatch needs at least one sequence and no empty sequence.")
@@ -34,7 +39,10 @@ class PackedBatch:
         input_ids = torch.tensor(list(itertools.chain.from_iterable(sequences)), dtype=torch.long)
         starts = torch.repeat_interleave(cu_seqlens[:-1].long(), torch.tensor(lengths))  # [T]
         position_ids = torch.arange(len(input_ids)) - starts + position_offset
-        return cls(input_ids, position_ids, cu_seqlens, max(lengths), lengths)
+        types = None
+        if token_types is not None:
+            types = torch.tensor(list(itertools.chain.from_iterable(token_types)), dtype=torch.long)
+        return cls(input_ids, position_ids, cu_seqlens, max(lengths), lengths, types)
 
     @property
     def num_tokens(self) -> int:
@@ -54,7 +62,8 @@ class PackedBatch:
         """On a GPU, non_blocking copies go through pinned memory so they never wait for the GPU's queue."""
         device = torch.device(device)
         pin = non_blocking and device.type == "cuda" and self.input_ids.device.type == "cpu"
-        tensors = {name: getattr(self, name) for name in ("input_ids", "position_ids", "cu_seqlens")}
+        names = ("input_ids", "position_ids", "cu_seqlens", "token_type_ids")
+        tensors = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
         moved = {name: (t.pin_memory() if pin else t) for name, t in tensors.items()}
         return replace(self, **{name: t.to(device, non_blocking=non_blocking) for name, t in moved.items()})
 

@@ -30,8 +30,13 @@ class Embeddings(nn.Module):
         self.LayerNorm = nn.LayerNorm(spec.hidden_size, eps=spec.norm_eps)
 
     def forward(self, batch: PackedBatch) -> Tensor:
-        # Single texts have token type 0 everywhere, as plain sentence-transformers sends them.
-        h = self.word_embeddings(batch.input_ids) + self.token_type_embeddings.weight[0]  # [T, hidden]
+        # Single texts have token type 0 everywhere, as plain sentence-transformers sends them; a pair's
+        # second text is segment 1 (BERT's cross-encoders).
+        if batch.token_type_ids is None:
+            types = self.token_type_embeddings.weight[0]  # [hidden], broadcast
+        else:
+            types = self.token_type_embeddings(batch.token_type_ids)  # [T, hidden]
+        h = self.word_embeddings(batch.input_ids) + types  # [T, hidden]
         return self.LayerNorm(h + self.position_embeddings(batch.position_ids))
 
 

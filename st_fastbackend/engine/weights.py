@@ -49,10 +49,16 @@ def stored_dtype(folder: Path) -> torch.dtype | None:
     return None
 
 
-def load_weights(model: nn.Module, folder: Path, device: torch.device, dtype: torch.dtype) -> list[str]:
+def load_weights(
+    model: nn.Module, folder: Path, device: torch.device, dtype: torch.dtype,
+    skip: tuple[str, ...] = (), only: tuple[str, ...] | None = None,
+) -> list[str]:  # fmt: skip
     """Fill `model` (built on the meta device) from the checkpoint, read tensor by tensor straight onto
     `device` and cast there: the host never holds more than the tensor being read. Fused tensors are
-    joined as soon as their last part arrives. Returns the names it loaded."""
+    joined as soon as their last part arrives. Returns the names it loaded.
+
+    A checkpoint read by two modules (an encoder and its classification head) is split by name: the body
+    `skip`s the head's tensors, the head reads `only` its own; each is strict about its part."""
     expected = model.state_dict()
     slot_counts = Counter(target for target, _ in model.fused.values())
     parts: dict[str, dict[int, Tensor]] = defaultdict(dict)
@@ -60,7 +66,7 @@ def load_weights(model: nn.Module, folder: Path, device: torch.device, dtype: to
     unknown: list[str] = []
     for file, raw_name in _tensor_names(folder):
         name = _strip_prefix(raw_name, model.prefixes)
-        if name.startswith(model.ignored):
+        if name.startswith((*model.ignored, *skip)) or (only is not None and not name.startswith(only)):
             continue
         target, slot = _fused_name(name, model.fused)
         if target not in expected:

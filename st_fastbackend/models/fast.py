@@ -76,10 +76,14 @@ class FastModel:
             return super()._inference(inputs, **kwargs)
         return self._packed_inference(inputs, **kwargs)
 
+    def check_inputs(self, inputs: list) -> None:
+        """Each input one this class takes (texts; a CrossEncoder: pairs of texts), else an error naming its index."""
+        check_texts(inputs)
+
     def _multi_process(self, inputs, *args, **kwargs):
         """A multi-process pool: bad input is named by the caller's index, before the inputs are split into chunks."""
         if self.backend == "fast":
-            check_texts(inputs)
+            self.check_inputs(inputs)
         return super()._multi_process(inputs, *args, **kwargs)
 
     def packed_runs(

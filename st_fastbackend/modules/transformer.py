@@ -63,8 +63,8 @@ class PackedTransformer(InputModule):
         self.model = build_engine(config)
         device = load_device(model_kwargs.get("device_map"))
         dtype = resolve_dtype(model_kwargs, config, device.type, stored_dtype(self.folder))
-        load_weights(self.model, self.folder, device, dtype)
         self.config = config
+        self.load_checkpoint(device, dtype)
         self.onednn_copies = device.type == "cpu" and onednn.copies_fit(self.model)  # else PyTorch's products
         self.compiled_seams: bool | None = None  # True/False: on or off; None: fused.on_by_default for the device
         self._use(self.runtime)
@@ -114,6 +114,10 @@ class PackedTransformer(InputModule):
             config_kwargs=config_kwargs,
         )
         return cls(model_name_or_path, **module_config(init_kwargs))
+
+    def load_checkpoint(self, device: torch.device, dtype: torch.dtype) -> None:
+        """The engine's tensors from the folder; a module with a head on top also reads the head's."""
+        load_weights(self.model, self.folder, device, dtype)
 
     # -- sentence-transformers' InputModule API -----------------------------------------------
 

@@ -1,0 +1,143 @@
+"""`CrossEncoder` with `backend="fast"`: the same class, the packed engine inside.
+
+With backend "torch", "onnx" or "openvino" this is exactly sentence-transformers' class. With "fast", the
+Transformer module (sequence classification, or a causal LM) becomes PackedScoringTransformer, which runs
+the head of its checkpoint's architecture on packed pairs; a causal LM's LogitScore becomes PackedLogitScore,
+which reads the two LM-head rows it needs. predict() and rank() are the parent's; their inner loop is the
+packed one of models/fast.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import sentence_transformers
+import torch
+from sentence_transformers.base.modules import Transformer
+from sentence_transformers.cross_encoder.modules import LogitScore
+from transformers import AutoConfig, PretrainedConfig
+
+from st_fastbackend.engine.spec import UnsupportedModelError
+from st_fastbackend.models.fast import FastModel
+from st_fastbackend.modules.files import resolve_folder
+from st_fastbackend.modules.options import without_hub_kwargs
+from st_fastbackend.modules.scoring import PackedLogitScore, PackedScoringTransformer, check_pairs
+
+
+class CrossEncoder(FastModel, sentence_transformers.CrossEncoder):
+    fast_modules = {Transformer: PackedScoringTransformer, LogitScore: PackedLogitScore}
+    prompt_reuse = False  # a pair's prompt is computed with every pair (engine/prefix.py is for single texts)
+
+    def _check_fast_pipeline(self, modules: list) -> None:
+        super()._check_fast_pipeline(modules)
+        first, rest = modules[0], modules[1:]
+        if first.transformer_task == "sequence-classification" and not rest:
+            return
+        if first.transformer_task == "text-generation" and len(rest) == 1 and isinstance(rest[0], PackedLogitScore):
+            if rest[0].module_input_name != "causal_logits":
+                raise UnsupportedModelError(f"LogitScore reading {rest[0].module_input_name!r}")
+            first.lm_rows_for(rest[0].token_ids)
+            return
+        after = ", ".join(type(m).__name__ for m in rest) or "nothing"
+        raise UnsupportedModelError(f"A {first.transformer_task} Transformer followed by {after}")
+
+    def _load_default_modules(
+        self, model_name_or_path: str, token, cache_folder, revision=None, trust_remote_code=False,
+        local_files_only=False, model_kwargs=None, processor_kwargs=None, config_kwargs=None,
+    ) -> tuple[list, dict]:  # fmt: skip
+        """A bare Hugging Face checkpoint, as plain sentence-transformers builds it: *ForCausalLM as a
+        text-generation Transformer + LogitScore("yes", "no"), anything else as sequence classification."""
+        if self.backend != "fast":
+            return super()._load_default_modules(
+                model_name_or_path, token, cache_folder, revision, trust_remote_code, local_files_only,
+                model_kwargs, processor_kwargs, config_kwargs,
+            )  # fmt: skip
+        shared = {"token": token, "trust_remote_code": trust_remote_code, "revision": revision,
+                  "local_files_only": local_files_only, "cache_dir": cache_folder}  # fmt: skip
+        kwargs = dict(model_kwargs={**shared, **(model_kwargs or {})},
+                      processor_kwargs={**shared, **(processor_kwargs or {})},
+                      config_kwargs={**shared, **(config_kwargs or {})})  # fmt: skip
+        task = "text-generation" if _causal(model_name_or_path, kwargs["config_kwargs"]) else "sequence-classification"
+        transformer = PackedScoringTransformer(model_name_or_path, transformer_task=task, **kwargs)
+        if transformer.transformer_task == "sequence-classification":
+            return [transformer], {}
+        yes, no = (transformer.tokenizer.convert_tokens_to_ids(token) for token in ("yes", "no"))
+        if yes is None or no is None:
+            raise ValueError("The tokenizer does not have 'yes' and/or 'no' tokens, which LogitScore reads.")
+        return [transformer, PackedLogitScore(true_token_id=yes, false_token_id=no)], {}
+
+    def check_inputs(self, inputs: list) -> None:
+        check_pairs(inputs)
+
+    @property
+    def config(self) -> PretrainedConfig | None:
+        """The checkpoint's config (activation_fn and num_labels are read from it), as the parent's."""
+        return self[0].config if self.backend == "fast" else super().config
+
+    @config.setter
+    def config(self, value: PretrainedConfig) -> None:
+        if self.backend == "fast":
+            self[0].config = value
+        else:
+            sentence_transformers.CrossEncoder.config.fset(self, value)
+
+    @property
+    def num_labels(self) -> int:
+        if self.backend != "fast" or self[0].transformer_task == "text-generation":
+            return super().num_labels
+        return self[0].config.num_labels
+
+    @torch.inference_mode()
+    def _packed_inference(
+        self,
+        inputs: list,
+        *,
+        prompt: str | None,
+        batch_size: int,
+        show_progress_bar: bool,
+        activation_fn: Callable | None,
+        apply_softmax: bool | None,
+        device: str | torch.device | None = None,
+        max_tokens_per_batch: int | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """predict()'s inner loop on packed pairs (models/fast.py packed_runs); scores in the caller's order."""
+        if kwargs.pop("processing_kwargs", None):
+            raise UnsupportedModelError("processing_kwargs in predict()")
+        self.check_inputs(inputs)  # before sorting, so an error names the caller's index
+        device = self._resolve_inference_device(device)
+        max_tokens = self._max_tokens_for(device, max_tokens_per_batch)
+        transformer, num_labels = self[0], self.num_labels
+
+        def tokenize(chunk: list, positions: range) -> list[list[int]]:
+            return transformer.encode_pairs(chunk, prompt, first_index=positions.start)
+
+        scores: list = [None] * len(inputs)
+        runs = self.packed_runs(inputs, tokenize, prompt=prompt, device=device, batch_size=batch_size,
+                                max_tokens=max_tokens, show_progress_bar=show_progress_bar, **kwargs)  # fmt: skip
+        for positions, out in runs:
+            rows = _scores(out["scores"], activation_fn, num_labels, apply_softmax)
+            for position, row in zip(positions, rows, strict=True):
+                scores[position] = row
+        return torch.stack(scores) if scores else torch.tensor([], device=device)
+
+
+def _scores(scores: torch.Tensor, activation_fn: Callable | None, num_labels: int, softmax: bool | None):
+    """One pack's scores as the parent's _inference makes them: fp32, activation, [B] for one label, softmax."""
+    if torch.is_floating_point(scores) and torch.finfo(scores.dtype).bits < 32:
+        scores = scores.float()  # ties broken as the parent breaks them
+    if activation_fn is not None:
+        scores = activation_fn(scores)
+    if num_labels == 1 and scores.ndim > 1:
+        scores = scores.squeeze(-1)
+    if softmax and scores.ndim > 1:
+        scores = torch.nn.functional.softmax(scores, dim=1)
+    return scores
+
+
+def _causal(model_name_or_path: str, config_kwargs: dict[str, Any]) -> bool:
+    """As plain sentence-transformers decides: the config's first architecture is a *ForCausalLM."""
+    folder = resolve_folder(model_name_or_path, **config_kwargs)
+    config = AutoConfig.from_pretrained(folder, **without_hub_kwargs(config_kwargs))
+    return bool(config.architectures) and config.architectures[0].endswith("ForCausalLM")

@@ -1,0 +1,154 @@
+"""A cross-encoder's first module on the packed engine: pairs tokenized as sentence-transformers' Transformer
+tokenizes them (one tokenizer call on [first, second] pairs, truncation="longest_first", the tokenizer's
+max length), packed without padding, the engine, then the head: a sequence-classification head's logits
+(`scores`), or for a causal LM only the LM-head rows LogitScore reads, at each pair's last token (`lm_rows`),
+never logits over the vocabulary.
+
+Stands in for sentence-transformers' Transformer with transformer_task "sequence-classification" or
+"text-generation"; saves as it does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from sentence_transformers.base.modules import Transformer
+from sentence_transformers.cross_encoder.modules import LogitScore
+
+from st_fastbackend.engine.batch import PackedBatch
+from st_fastbackend.engine.decoder import Decoder
+from st_fastbackend.engine.encoder import Encoder
+from st_fastbackend.engine.prefix import Prefix
+from st_fastbackend.engine.spec import UnsupportedModelError
+from st_fastbackend.engine.weights import CheckpointError, checkpoint_files, load_weights
+from st_fastbackend.modules.heads import build_head, last_tokens
+from st_fastbackend.modules.options import module_config
+from st_fastbackend.modules.transformer import PackedTransformer
+
+TASKS = ("sequence-classification", "text-generation")
+# What plain sentence-transformers writes to sentence_bert_config.json for a cross-encoder's Transformer.
+_TASK_OUTPUTS = {"sequence-classification": "scores", "text-generation": "causal_logits"}
+_TASK_MODALITY_OUTPUTS = {"sequence-classification": "logits", "text-generation": "logits"}
+
+
+class TypedIds(list):
+    """A pair's token ids with its token type ids beside them (the second text is segment 1 in BERT)."""
+
+    token_types: list[int]
+
+
+class PackedScoringTransformer(PackedTransformer):
+    def __init__(self, model_name_or_path: str, *, transformer_task: str = TASKS[0], **kwargs) -> None:
+        if transformer_task not in TASKS:
+            raise UnsupportedModelError(f"A cross-encoder Transformer with transformer_task={transformer_task!r}")
+        self.transformer_task = transformer_task
+        super().__init__(model_name_or_path, **kwargs)
+        if getattr(self.tokenizer, "chat_template", None) is not None:
+            # sentence-transformers renders pairs through a chat template as query/document messages then.
+            raise UnsupportedModelError("A cross-encoder whose tokenizer has a chat template")
+        # transformers' forward takes token types only where the model has them (BERT, RoBERTa, XLM-R).
+        self.token_types = isinstance(self.model, Encoder)
+        # [k, hidden], set by lm_rows_for (LogitScore's token ids); a buffer, so .to() moves it
+        self.register_buffer("lm_rows", None, persistent=False)
+
+    def load_checkpoint(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Body and head from one checkpoint, each strictly: the body skips what the head owns. A causal LM's
+        head is read later, only the rows LogitScore needs (lm_rows_for)."""
+        if self.transformer_task == "text-generation":
+            architecture = (self.config.architectures or ["(none)"])[0]
+            if not isinstance(self.model, Decoder) or not architecture.endswith("ForCausalLM"):
+                raise UnsupportedModelError(f"A causal-LM reranker of architecture {self.config.architectures}")
+            if getattr(self.config, "final_logit_softcapping", None) is not None:
+                raise UnsupportedModelError("final_logit_softcapping in a causal-LM reranker")
+            self.head = None
+            load_weights(self.model, self.folder, device, dtype)
+            return
+        self.head = build_head(self.config, self.model.prefixes)
+        load_weights(self.model, self.folder, device, dtype, skip=self.head.owns)
+        load_weights(self.head, self.folder, device, dtype, only=self.head.owns)
+
+    @classmethod
+    def load(cls, model_name_or_path: str, subfolder: str = "", **kwargs) -> PackedScoringTransformer:
+        """sentence_bert_config.json as plain sentence-transformers saves a cross-encoder's Transformer."""
+        init_kwargs = Transformer._load_init_kwargs(model_name_or_path, subfolder=subfolder, **kwargs)
+        task = init_kwargs.pop("transformer_task", "sequence-classification")
+        if init_kwargs.get("module_output_name") == _TASK_OUTPUTS.get(task):
+            init_kwargs.pop("module_output_name")
+        modalities = init_kwargs.get("modality_config")
+        if modalities == {"text": {"method": "forward", "method_output_name": _TASK_MODALITY_OUTPUTS.get(task)}}:
+            init_kwargs.pop("modality_config")
+        return cls(model_name_or_path, transformer_task=task, **module_config(init_kwargs))
+
+    def lm_rows_for(self, token_ids: list[int]) -> None:
+        """Keep only these rows of the LM head (tied: of the input embeddings), read from the checkpoint."""
+        weight = self.model.embed_tokens.weight
+        if getattr(self.config.get_text_config(), "tie_word_embeddings", False):
+            self.lm_rows = weight[token_ids].clone()
+            return
+        for file in checkpoint_files(self.folder):
+            with safe_open(file, framework="pt", device=str(weight.device)) as f:
+                if "lm_head.weight" in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    rows = f.get_slice("lm_head.weight")
+                    self.lm_rows = torch.cat([rows[i : i + 1] for i in token_ids]).to(weight.dtype)
+                    return
+        raise CheckpointError(f"Checkpoint in {self.folder} lacks lm_head.weight (and ties no embeddings)")
+
+    def get_config_dict(self) -> dict[str, Any]:
+        return {**super().get_config_dict(), "transformer_task": self.transformer_task,
+                "module_output_name": _TASK_OUTPUTS[self.transformer_task]}  # fmt: skip
+
+    def encode_pairs(self, pairs: list, prompt: str | None, first_index: int = 0) -> list[list[int]]:
+        """Token ids of each (first, second) pair as plain sentence-transformers tokenizes a batch of them:
+        the prompt before the first text, truncation="longest_first" at the tokenizer's max length."""
+        texts = [[prompt + first, second] if prompt else [first, second] for first, second in pairs]
+        out = self.tokenizer(texts, truncation="longest_first", padding=False, verbose=False)
+        sequences = []
+        for index, ids in enumerate(out["input_ids"]):
+            if not ids:
+                raise ValueError(f"Input {first_index + index} has no tokens; there is nothing to score.")
+            sequence = TypedIds(ids)
+            if self.token_types and "token_type_ids" in out:
+                sequence.token_types = out["token_type_ids"][index]
+            sequences.append(sequence)
+        return sequences
+
+    def pack(self, sequences: list[list[int]], prompt: str | None = None, prefix: Prefix | None = None) -> dict:
+        if prefix is not None:
+            raise UnsupportedModelError("A prompt computed once for a cross-encoder")
+        types = [s.token_types for s in sequences] if hasattr(sequences[0], "token_types") else None
+        return {"packed": PackedBatch.from_sequences(sequences, self.model.position_offset, types)}
+
+    def forward(self, features: dict[str, Any], **kwargs) -> dict[str, Any]:
+        features = super().forward(features, **kwargs)
+        h, packed = features["token_embeddings"], features["packed"]
+        if self.head is not None:
+            features["scores"] = self.head(h, packed)  # [B, num_labels]
+        else:  # the LM head's kept rows at each pair's last token: [B, H] x [H, k]
+            features["lm_rows"] = last_tokens(h, packed) @ self.lm_rows.T
+        return features
+
+
+class PackedLogitScore(LogitScore):
+    """LogitScore on the rows the transformer kept (its true token's, then its false token's)."""
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [self.true_token_id] + ([] if self.false_token_id is None else [self.false_token_id])
+
+    def forward(self, features: dict[str, Any], **kwargs) -> dict[str, Any]:
+        rows = features["lm_rows"]  # [B, 1 or 2]
+        scores = rows[:, 0] if self.false_token_id is None else rows[:, 0] - rows[:, 1]
+        features["scores"] = scores.unsqueeze(1)
+        return features
+
+
+def check_pairs(inputs: list) -> list[tuple[str, str]]:
+    """Every input a pair of two texts; anything else named by the caller's index."""
+    for index, pair in enumerate(inputs):
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
+            raise UnsupportedModelError(
+                f"Input {index} ({str(pair)[:80]}): the fast backend scores pairs of two texts only"
+            )
+    return inputs

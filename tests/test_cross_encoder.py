@@ -1,0 +1,159 @@
+"""CrossEncoder(backend="fast") against plain sentence_transformers.CrossEncoder on the same random-weight
+folder, one per head type: predict raw and with activation, rank order, batch invariance, pairs past
+max_length, refused heads; the CUDA path through the kernel stand-ins."""
+
+import kernel_standins
+import numpy as np
+import pytest
+import sentence_transformers
+import torch
+from builders import build_cross_encoder, make_texts
+from helpers import DEVICE
+
+from st_fastbackend import CrossEncoder, UnsupportedModelError
+
+IDENTITY = torch.nn.Identity()
+HEADS = {
+    "bert (pooler, token types)": ("bert", {}),
+    # Positions from padding_idx + 1 (pad id 3 here): room for 512 tokens, as bge-reranker's 514 for pad id 1.
+    "roberta": ("roberta", {"max_position_embeddings": 516}),
+    "xlm-roberta (bge-reranker)": ("xlm-roberta", {"max_position_embeddings": 516}),
+    "modernbert cls": ("modernbert", {"classifier_pooling": "cls"}),
+    "modernbert mean": ("modernbert", {"classifier_pooling": "mean"}),
+    "qwen2 score": ("qwen2", {}),
+    "qwen3 score": ("qwen3", {}),
+    "llama score, 3 labels (NLI)": ("llama", {"num_labels": 3}),
+    "bert, 3 labels (NLI)": ("bert", {"num_labels": 3}),
+    "qwen3 causal LM + LogitScore": ("qwen3", {"causal_lm": True}),
+    "llama causal LM + LogitScore": ("llama", {"causal_lm": True}),
+    "qwen2 causal LM, tied embeddings": ("qwen2", {"causal_lm": True, "tie_word_embeddings": True}),
+}
+
+
+@pytest.fixture(scope="module")
+def pairs() -> list[tuple[str, str]]:
+    texts = [t for t in make_texts(48, seed=3, max_words=200) if t]
+    return [(texts[i % 5], texts[i]) for i in range(len(texts))]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    cache = {}
+
+    def build(case: str):
+        if case not in cache:
+            family, options = HEADS[case]
+            cache[case] = build_cross_encoder(tmp_path_factory.mktemp("ce") / family, family, **options)
+        return cache[case]
+
+    return build
+
+
+def load_both(folder, **kwargs):
+    plain = sentence_transformers.CrossEncoder(str(folder), device="cpu", **kwargs)
+    return plain, CrossEncoder(str(folder), device=DEVICE, backend="fast", **kwargs)
+
+
+def max_diff(a, b) -> float:
+    return float(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)).max())
+
+
+@pytest.mark.parametrize("case", HEADS)
+def test_predict_matches_plain(built, pairs, case):
+    plain, fast = load_both(built(case), max_length=128)
+    assert fast.num_labels == plain.num_labels
+    assert type(fast.activation_fn) is type(plain.activation_fn)
+    for options in ({"activation_fn": IDENTITY}, {}, {"apply_softmax": True}):
+        expected = plain.predict(pairs, batch_size=8, **options)
+        ours = fast.predict(pairs, batch_size=8, **options)
+        assert ours.shape == expected.shape
+        assert max_diff(ours, expected) <= 1e-5, options
+    tensor = fast.predict(pairs[:3], convert_to_tensor=True)
+    assert isinstance(tensor, torch.Tensor) and tensor.shape[0] == 3
+    assert isinstance(fast.predict(pairs[:3], convert_to_numpy=False), list)
+    single = fast.predict(pairs[0], activation_fn=IDENTITY)
+    assert max_diff(single, plain.predict(pairs[0], activation_fn=IDENTITY)) <= 1e-5
+
+
+@pytest.mark.parametrize("case", [c for c, (_, o) in HEADS.items() if o.get("num_labels", 1) == 1])
+def test_rank_order_matches_plain(built, pairs, case):
+    plain, fast = load_both(built(case), max_length=128)
+    query, documents = pairs[0][0], [second for _, second in pairs]
+    expected = plain.rank(query, documents, return_documents=True, top_k=10)
+    ours = fast.rank(query, documents, return_documents=True, top_k=10)
+    assert [r["corpus_id"] for r in ours] == [r["corpus_id"] for r in expected]
+    assert [r["text"] for r in ours] == [r["text"] for r in expected]
+    assert max_diff([r["score"] for r in ours], [r["score"] for r in expected]) <= 1e-5
+    prompted = plain.rank(query, documents, prompt="Judge: "), fast.rank(query, documents, prompt="Judge: ")
+    assert [r["corpus_id"] for r in prompted[1]] == [r["corpus_id"] for r in prompted[0]]
+
+
+@pytest.mark.parametrize("case", ["bert (pooler, token types)", "modernbert mean", "qwen3 causal LM + LogitScore"])
+def test_a_pair_scores_the_same_in_any_pack(built, pairs, case):
+    _, fast = load_both(built(case), max_length=128)
+    packed = fast.predict(pairs, batch_size=48, activation_fn=IDENTITY)
+    small = fast.predict(pairs, batch_size=3, max_tokens_per_batch=300, activation_fn=IDENTITY)
+    alone = np.array([fast.predict([pair], activation_fn=IDENTITY)[0] for pair in pairs[:8]])
+    np.testing.assert_allclose(small, packed, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(alone, packed[:8], atol=1e-5, rtol=0)
+    reordered = fast.predict(pairs[::-1], activation_fn=IDENTITY)[::-1]  # results in the caller's order
+    np.testing.assert_allclose(reordered, packed, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["bert (pooler, token types)", "xlm-roberta (bge-reranker)", "qwen2 score"])
+def test_pairs_longer_than_max_length_truncate_longest_first(built, pairs, case):
+    long_pairs = [(first * 3, second * 3) for first, second in pairs[:12]]
+    plain, fast = load_both(built(case), max_length=40)
+    assert fast.max_seq_length == plain.max_seq_length == 40
+    ours = fast[0].encode_pairs(long_pairs, None)
+    assert max(len(ids) for ids in ours) == 40
+    expected = plain.predict(long_pairs, activation_fn=IDENTITY)
+    assert max_diff(fast.predict(long_pairs, activation_fn=IDENTITY), expected) <= 1e-5
+
+
+def test_bert_second_text_is_segment_one(built, pairs):
+    """The token types reach the engine: without them the scores would be a single text's."""
+    _, fast = load_both(built("bert (pooler, token types)"))
+    (sequence,) = fast[0].encode_pairs(pairs[:1], None)
+    assert 0 in sequence.token_types and 1 in sequence.token_types
+    with_types = fast.predict(pairs[:4], activation_fn=IDENTITY)
+    fast[0].token_types = False
+    assert max_diff(fast.predict(pairs[:4], activation_fn=IDENTITY), with_types) > 1e-3
+
+
+def test_refused_clearly(tmp_path, built, pairs):
+    folder = build_cross_encoder(tmp_path / "bert", "bert")
+    config = (folder / "config.json").read_text()
+    (folder / "config.json").write_text(config.replace("BertForSequenceClassification", "BertForTokenClassification"))
+    with pytest.raises(UnsupportedModelError, match='BertForTokenClassification.*backend="torch"'):
+        CrossEncoder(str(folder), backend="fast", device=DEVICE)
+    _, fast = load_both(built("bert (pooler, token types)"))
+    with pytest.raises(UnsupportedModelError, match="Input 1"):
+        fast.predict([pairs[0], ("only one",)])
+    assert fast.predict([]).shape == (0,)
+
+
+def test_a_folder_saved_by_plain_sentence_transformers(tmp_path, built, pairs):
+    for case in ("xlm-roberta (bge-reranker)", "qwen3 causal LM + LogitScore"):
+        plain = sentence_transformers.CrossEncoder(str(built(case)), device="cpu")
+        plain.save(str(tmp_path / case))
+        fast = CrossEncoder(str(tmp_path / case), backend="fast", device=DEVICE)
+        assert max_diff(fast.predict(pairs), plain.predict(pairs)) <= 1e-5
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the stand-ins replace the CUDA kernels on the CPU")
+@pytest.mark.parametrize("name", ["torch 2.14", "flash-attn 2.8"])
+@pytest.mark.parametrize("case", ["bert (pooler, token types)", "qwen3 causal LM + LogitScore"])
+def test_bf16_through_the_cuda_kernel_standins(standin, built, pairs, name, case):
+    """On the CUDA path (kernel stand-ins on the CPU), bf16: the pair scores stay within 3x plain's bf16 error."""
+    folder = built(case)
+    reference = sentence_transformers.CrossEncoder(str(folder), device="cpu").predict(pairs, activation_fn=IDENTITY)
+    plain_bf16 = sentence_transformers.CrossEncoder(
+        str(folder), device="cpu", model_kwargs={"dtype": torch.bfloat16}
+    ).predict(pairs, activation_fn=IDENTITY)
+    standin(name)
+    fast = CrossEncoder(str(folder), backend="fast", device="cpu", model_kwargs={"dtype": torch.bfloat16})
+    assert fast[0].attention_kernel == ("flash_attn" if name.startswith("flash") else "torch_varlen")
+    ours = fast.predict(pairs, activation_fn=IDENTITY)
+    assert kernel_standins.Calls.count > 0
+    assert max_diff(ours, reference) <= 3 * max(max_diff(plain_bf16, reference), 1e-3)
