@@ -68,6 +68,8 @@ def _late_room(model, chunking: Chunking, document) -> int:
         )
     config = model[0].config
     positions = getattr(config, "max_position_embeddings", None)
+    if positions is not None:  # RoBERTa's positions start after padding_idx: 514 in its config, 512 to use
+        positions -= model[0].model.position_offset
     context = chunking.context or positions
     if context is None:
         raise ValueError("Chunking(late=True) needs Chunking.context: the model's config gives no positions.")
