@@ -1,6 +1,7 @@
 """`st-fastbackend` command line: `encode` texts (one per line) into .npy, .parquet or .jsonl, `serve` them
-over HTTP, or `embed-corpus` a whole corpus into parquet shards. One module per subcommand (cli/encode.py,
-cli/serve.py, cli/embed_corpus.py) and cli/options.py for what they share.
+over HTTP, `embed-corpus` a whole corpus into parquet shards, or `rerank` documents against a query with a
+cross-encoder. One module per subcommand (cli/encode.py, cli/serve.py, cli/embed_corpus.py, cli/rerank.py)
+and cli/options.py for what they share.
 
 torch, numpy and the model are imported inside the commands: `--help` and `--version` answer at once.
 """
@@ -15,6 +16,7 @@ from st_fastbackend.cli.embed_corpus import add_embed_corpus, embed_corpus
 from st_fastbackend.cli.encode import add_encode, encode
 from st_fastbackend.cli.files import CliError
 from st_fastbackend.cli.options import MATMUL_HELP, MATMUL_PRECISIONS, PROG, DefaultsHelp, dtype_name
+from st_fastbackend.cli.rerank import add_rerank, rerank
 from st_fastbackend.cli.serve import add_serve, serve
 
 DESCRIPTION = (
@@ -26,7 +28,7 @@ DESCRIPTION = (
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
-        {"encode": encode, "serve": serve, "embed-corpus": embed_corpus}[args.command](args)
+        {"encode": encode, "serve": serve, "embed-corpus": embed_corpus, "rerank": rerank}[args.command](args)
     except CliError as error:
         if args.debug:
             raise
@@ -52,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve(commands.add_parser("serve", parents=[common], formatter_class=defaults,
                                   help="OpenAI-compatible /v1/embeddings server with dynamic batching"))  # fmt: skip
     add_embed_corpus(commands, defaults)
+    add_rerank(commands.add_parser("rerank", parents=[common], formatter_class=defaults,
+                                   help="score documents, one per line, against a query (cross-encoder)"))  # fmt: skip
     return parser
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from st_fastbackend.cli.files import CliError
 from st_fastbackend.cli.options import describe, load_model, positive
+from st_fastbackend.cli.rerank import load_cross_encoder, serves_rerank
 from st_fastbackend.serve.limits import Limits
 
 logger = logging.getLogger("st_fastbackend.serve")
@@ -40,6 +41,9 @@ def add_serve(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="for the server's and the library's log lines")  # fmt: skip
     serve.add_argument("--no-access-log", action="store_true", help="no line per request")
+    serve.add_argument("--task", default="auto", choices=["auto", "embed", "rerank"],
+                       help="rerank: /v1/rerank and /rerank with a cross-encoder; auto: as sentence-transformers "
+                            "tells a cross-encoder folder")  # fmt: skip
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -47,7 +51,7 @@ def serve(args: argparse.Namespace) -> None:
     from st_fastbackend.serve.app import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)-9s %(name)s: %(message)s")
-    model = load_model(args)
+    model = load_cross_encoder(args) if serves_rerank(args) else load_model(args)
     max_input_tokens = args.max_input_tokens or model.max_seq_length
     if max_input_tokens > model.max_seq_length:
         raise CliError(f"--max-input-tokens {max_input_tokens} exceeds max_seq_length {model.max_seq_length}")
@@ -66,10 +70,15 @@ def serve(args: argparse.Namespace) -> None:
         pack_seconds=args.max_pack_seconds,
     )
     logger.info(
-        f"Serving {name!r} ({args.model}): dimension {model.get_embedding_dimension()}, {describe(model)}, "
+        f"Serving {name!r} ({args.model}): {served_shape(model)}, {describe(model)}, "
         f"{budget} tokens per batch, {max_input_tokens} tokens per input, at http://{args.host}:{args.port}"
     )
     run_server(app, args)
+
+
+def served_shape(model) -> str:
+    labels = getattr(model, "num_labels", None)  # a CrossEncoder's
+    return f"{labels} label(s) per pair" if labels is not None else f"dimension {model.get_embedding_dimension()}"
 
 
 def run_server(app, args: argparse.Namespace) -> None:

@@ -15,6 +15,7 @@ from st_fastbackend.serve.errors import ErrorResponses, add_error_handlers
 from st_fastbackend.serve.guard import Guard
 from st_fastbackend.serve.limits import Limits
 from st_fastbackend.serve.metrics import Metrics
+from st_fastbackend.serve.rerank import Reranker, is_cross_encoder, rerank_routes
 from st_fastbackend.serve.routes import Served, routes
 from st_fastbackend.serve.tokens import RequestTokenizer
 
@@ -33,8 +34,10 @@ def create_app(
 ) -> FastAPI:
     """`model`: a SentenceTransformer loaded with backend="fast". After a device failure (serve/batcher.py)
     every request is a 503 and /health says unhealthy; `app.state.batcher.on_failure` is then called, from
-    the worker's thread (the CLI stops the server with it)."""
-    limits, metrics, embedder = limits or Limits(), Metrics(), Embedder(model)
+    the worker's thread (the CLI stops the server with it). A CrossEncoder is served on /v1/rerank and /rerank
+    (serve/rerank.py)."""
+    adapter = Reranker if is_cross_encoder(model) else Embedder
+    limits, metrics, embedder = limits or Limits(), Metrics(), adapter(model)
     batcher = Batcher(embedder, max_tokens_per_batch, max_batch_size, metrics, dynamic_batching,
                       pack_seconds=pack_seconds)  # fmt: skip
     tokenizer = RequestTokenizer(embedder, max_input_tokens)
@@ -45,7 +48,7 @@ def create_app(
     app.add_middleware(Guard, fail=fail, api_key=api_key, public_paths=public, max_body_bytes=limits.max_body_bytes,
                        body_timeout=limits.body_timeout)  # fmt: skip
     add_error_handlers(app, fail)
-    app.include_router(routes(served))
+    app.include_router((rerank_routes if is_cross_encoder(model) else routes)(served))  # a cross-encoder: rerank
     app.state.batcher = batcher
     return app
 
