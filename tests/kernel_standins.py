@@ -1,8 +1,9 @@
 """CPU stand-ins for the CUDA attention kernels, with the exact signatures of the releases we support.
 
-Each refuses what the real kernel refuses, as read from its source: fp32 or mixed dtypes, int64 boundaries, a
-last dimension that is not contiguous, head_dim over 256 or not a multiple of 8, k/v heads that do not divide
-the query heads (aten's and flash-attn's mha_varlen_fwd), and, from PyTorch 2.12, unequal heads without
+Each refuses what the real kernel refuses, as read from its source: fp32 or mixed dtypes, int64 boundaries,
+head_dim over 256, k/v heads that do not divide the query heads (aten's and flash-attn's mha_varlen_fwd), a last
+dimension that is not contiguous or a head_dim that is not a multiple of 8 under PyTorch (flash-attn's Python
+function makes the one contiguous and pads the other itself), and, from PyTorch 2.12, unequal heads without
 enable_gqa=True (varlen_attn's own check). Where the real kernel fails silently the stand-in raises: a
 max_seqlen below a sequence's length (the kernel sizes its work by it and leaves the rows past it unwritten).
 
@@ -39,9 +40,12 @@ class Calls:
     kv_heads = 0  # the k/v heads of the last call (fewer than the query heads: not repeated)
 
 
-def flash_reference(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, causal, window_size, scale=None, top_left=False):
-    """The flash kernels' contract, computed per sequence in fp32 and returned in the input dtype."""
-    _refuse(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k)
+def flash_reference(
+    q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, causal, window_size, scale=None, top_left=False, pads=False
+):
+    """The flash kernels' contract, computed per sequence in fp32 and returned in the input dtype. `pads`: as
+    flash-attn's Python function, which pads head sizes to a multiple of 8 and makes the last dimension contiguous."""
+    _refuse(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, pads)
     if not isinstance(window_size, tuple):
         raise TypeError("window_size must be a tuple: varlen_attn compares it with (-1, 0)")
     Calls.count += 1
@@ -70,15 +74,15 @@ def flash_reference(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, causal, window
     return out
 
 
-def _refuse(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k) -> None:
+def _refuse(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, pads: bool) -> None:
     """What mha_varlen_fwd checks (messages as the kernel words them), and the silent failures made loud."""
     if q.dtype not in (torch.float16, torch.bfloat16) or not q.dtype == k.dtype == v.dtype:
         raise RuntimeError("FlashAttention only support fp16 and bf16 data type")
     if cu_seq_q.dtype != torch.int32 or cu_seq_k.dtype != torch.int32:
         raise RuntimeError("cu_seqlens_q must have dtype int32")
-    if any(t.stride(-1) != 1 for t in (q, k, v)):
+    if not pads and any(t.stride(-1) != 1 for t in (q, k, v)):
         raise RuntimeError("Input tensor must have contiguous last dimension")
-    if q.shape[-1] > 256 or q.shape[-1] % 8:
+    if q.shape[-1] > 256 or (q.shape[-1] % 8 and not pads):
         raise RuntimeError(f"head_size {q.shape[-1]}: FlashAttention takes at most 256, a multiple of 8")
     if q.shape[1] % k.shape[1]:
         raise RuntimeError("Number of heads in key/value must divide number of heads in query")
@@ -140,7 +144,8 @@ def _varlen_attn_from_2_12(cudnn_on_hopper: bool):
     ):
         _same_heads(query, key, enable_gqa)
         full = list(window_size) == [-1, -1] and not enable_gqa and query.shape[1] == key.shape[1]
-        cudnn = cudnn_on_hopper and full and max_q > 128 and num_splits is None and block_table is None
+        paged = block_table is not None and seqused_k is None
+        cudnn = cudnn_on_hopper and full and max_q > 128 and num_splits is None and not paged
         Calls.cudnn += int(cudnn)
         is_causal = window_size == (-1, 0)
         return flash_reference(
@@ -162,7 +167,7 @@ def flash_attn_2_0(
     """flash-attn 2.0.x: no window, and a causal mask counted from the keys' start."""
     return flash_reference(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, window_size=(-1, -1),
-        scale=softmax_scale, top_left=True,
+        scale=softmax_scale, top_left=True, pads=True,
     )  # fmt: skip
 
 
@@ -173,7 +178,7 @@ def flash_attn_2_1(
     """flash-attn 2.1 and 2.2: 2.0's signature, the causal mask aligned with the keys' end."""
     return flash_reference(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, window_size=(-1, -1),
-        scale=softmax_scale,
+        scale=softmax_scale, pads=True,
     )  # fmt: skip
 
 
@@ -183,7 +188,7 @@ def flash_attn_2_3(
 ):  # fmt: skip
     return flash_reference(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
-        window_size=tuple(window_size), scale=softmax_scale,
+        window_size=tuple(window_size), scale=softmax_scale, pads=True,
     )  # fmt: skip
 
 
@@ -230,7 +235,7 @@ def install(monkeypatch, name: str) -> None:
     """Make the CPU look like a GPU with the named kernel installed, for choose_runtime and the engine."""
     import torch.nn.attention.varlen as varlen
 
-    Calls.count = Calls.longer_keys = Calls.cudnn = 0
+    Calls.count = Calls.longer_keys = Calls.cudnn = Calls.kv_heads = 0
     if name.startswith("flash-attn"):
         module = types.SimpleNamespace(flash_attn_varlen_func=STANDINS[name], __version__=FLASH_ATTN_VERSIONS[name])
         monkeypatch.setitem(sys.modules, "flash_attn", module)

@@ -161,6 +161,10 @@ def rms_norm_for_counting(x, weight, eps, unit_offset):
     return fused.rms_norm(x, weight, eps, unit_offset)
 
 
+def split_rotate_for_counting(qkv, cos, sin, heads, qk_norm):
+    return fused.split_rotate(qkv, cos, sin, heads, qk_norm)
+
+
 def test_model_widths_share_one_compiled_variant():
     """Weights arrive as nn.Parameter, whose shapes Dynamo keeps static: without care one compilation per width."""
     from torch._dynamo.testing import CompileCounter
@@ -171,6 +175,16 @@ def test_model_widths_share_one_compiled_variant():
     for width in (64, 96, 128):
         x, weight = torch.randn(T, width), torch.nn.Parameter(torch.randn(width))
         torch.testing.assert_close(seam(x, weight, 1e-6, False), fused.rms_norm(x, weight, 1e-6, False))
+    assert counter.frame_count == 1
+    # q/k norm weights arrive inside a tuple (Qwen3, Gemma 3): head sizes 16 and 32 share one variant too
+    counter = CompileCounter()
+    seam = fused._Timed(split_rotate_for_counting)
+    seam.compiled = torch.compile(split_rotate_for_counting, dynamic=True, backend=counter)
+    for head_dim in (16, 32):
+        qk_norm = (torch.nn.Parameter(torch.randn(head_dim)), torch.nn.Parameter(torch.randn(head_dim)), 1e-6, True)
+        args = (torch.randn(T, 8 * head_dim), torch.randn(T, head_dim), torch.randn(T, head_dim), (4, 2, head_dim))
+        for got, expected in zip(seam(*args, qk_norm), fused.split_rotate(*args, qk_norm), strict=True):
+            torch.testing.assert_close(got, expected)
     assert counter.frame_count == 1
 
 
@@ -194,13 +208,15 @@ def test_running_out_of_memory_is_raised_and_compiling_goes_on():
     later one, or inside a compiler's error, and the seam stays compiled."""
     seam = fused._Timed(fused.gated)
     x = torch.randn(T, 64)
-    for error in (torch.OutOfMemoryError("injected"), RuntimeError("BackendCompilerFailed")):
-        if not isinstance(error, torch.OutOfMemoryError):
-            error.__cause__ = torch.OutOfMemoryError("while benchmarking")
 
-        def fail(*args, error=error):
-            raise error
+    def wrapped(*args):
+        """As Dynamo raises BackendCompilerFailed(...) from None: the error it wraps is left as __context__."""
+        try:
+            raise torch.OutOfMemoryError("while benchmarking")
+        except torch.OutOfMemoryError:
+            raise RuntimeError("BackendCompilerFailed") from None
 
+    for fail in (lambda *args: (_ for _ in ()).throw(torch.OutOfMemoryError("injected")), wrapped):
         seam.compiled = fail
         with pytest.raises(torch.OutOfMemoryError):
             seam(x, ACT2FN["silu"])

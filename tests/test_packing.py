@@ -147,12 +147,14 @@ def test_gpu_budget_comes_from_free_memory(monkeypatch):
 
 
 class CopyDone:
-    """Stands for a CUDA event: records when the host waits for it."""
+    """Stands for a CUDA event: records when the host waits for it, and on which queue it was recorded."""
 
     waited: list = []
+    queues: list = []
 
-    def record(self) -> None:
+    def record(self, stream) -> None:
         self.waited.append(False)
+        self.queues.append(stream)
         self.index = len(self.waited) - 1
 
     def synchronize(self) -> None:
@@ -162,9 +164,9 @@ class CopyDone:
 def test_rows_from_a_gpu_leave_pinned_memory_a_few_packs_behind():
     """encode() on a GPU copies each pack's rows to pinned host memory without waiting; they move to ordinary
     memory once copied, so at most HostRows.DEPTH packs are pinned at any time, whatever the call's size."""
-    CopyDone.waited = []
+    CopyDone.waited, CopyDone.queues = [], []
     results: list = [None] * 40
-    landing = HostRows(results, waits=True, event=CopyDone)
+    landing = HostRows(results, torch.device("cuda", 1), event=CopyDone, stream=lambda device: f"queue of {device}")
     packs = [torch.randn(4, 8) for _ in range(10)]  # stand-ins for the pinned rows of 10 packs
     for n, rows in enumerate(packs):
         landing.add(list(range(4 * n, 4 * n + 4)), rows)
@@ -172,5 +174,6 @@ def test_rows_from_a_gpu_leave_pinned_memory_a_few_packs_behind():
         assert CopyDone.waited[: max(0, n + 1 - HostRows.DEPTH)] == [True] * max(0, n + 1 - HostRows.DEPTH)
     landing.finish()
     assert all(CopyDone.waited) and not landing.pending
+    assert set(CopyDone.queues) == {"queue of cuda:1"}  # the model's GPU, whichever device is current
     assert torch.equal(torch.stack(results), torch.cat(packs))
     assert all(results[4 * n].data_ptr() != packs[n].data_ptr() for n in range(10))  # copies, not the pinned rows

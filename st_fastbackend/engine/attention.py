@@ -74,14 +74,15 @@ def window_cuts(window: int | None, longest_keys: int) -> bool:
 
 def kernel_takes(q: Tensor, runtime: Runtime, cuts: bool, longer_keys: bool = False) -> bool:
     """Whether the runtime's varlen kernel computes this attention: it is not the SDPA loop, it has a window where
-    the window cuts, it takes the head size (mha_varlen_fwd: at most 256, a multiple of 8), and where the keys
-    are longer than the queries it aligns them with the keys' end."""
+    the window cuts, it takes the head size (mha_varlen_fwd: at most 256, and a multiple of 8 under PyTorch's
+    varlen_attn; flash-attn's Python function pads other sizes itself), and where the keys are longer than the
+    queries it aligns them with the keys' end."""
     head_dim = q.shape[-1]
     return (
         runtime.kernel != "sdpa_loop"
         and (runtime.window or not cuts)
         and head_dim <= 256
-        and head_dim % 8 == 0
+        and (head_dim % 8 == 0 or runtime.kernel == "flash_attn")
         and (runtime.longer_keys or not longer_keys)
     )
 

@@ -128,8 +128,9 @@ DEVICE_ERRORS = (torch.OutOfMemoryError, getattr(torch, "AcceleratorError", torc
 class _Timed:
     """torch.compile(f) whose calls that compile (the first for each dtype and device) are logged with their
     time. A compilation that fails, at the first call or at any recompilation, leaves the eager function for
-    the rest of the process (the same numbers); running out of memory or a device error is the caller's to see
-    (the schedule's back-off), never a reason to stop compiling."""
+    the rest of the process (the same math; fp32 within rounding, bf16/fp16 rounded after each operation where
+    the compiled seam rounds once, within their bound); running out of memory or a device error is the caller's
+    to see (the schedule's back-off), never a reason to stop compiling."""
 
     def __init__(self, fn) -> None:
         self.fn = fn
@@ -143,9 +144,7 @@ class _Timed:
     def __call__(self, *args):
         if self.failed:
             return self.fn(*args)
-        # Dynamo keeps an nn.Parameter's shape static (force_parameter_static_shapes): one compilation per model
-        # width. A detached view of it is an ordinary tensor, dynamic like the rest.
-        args = tuple(a.detach() if isinstance(a, nn.Parameter) else a for a in args)
+        args = _unparameterized(args)
         rows = _rows_per_call(args)
         if rows is None:
             return self._run(args)
@@ -169,6 +168,14 @@ class _Timed:
             seconds = time.perf_counter() - start
             logger.info(f"Compiled {self.fn.__name__} for {key[0][0]} on {key[0][1]} in {seconds:.1f} s")
         return out
+
+
+def _unparameterized(args: tuple) -> tuple:
+    """Dynamo keeps an nn.Parameter's shape static (force_parameter_static_shapes): one compilation per model
+    width. A detached view of it is an ordinary tensor, dynamic like the rest; also inside a tuple (q/k norms)."""
+    return tuple(
+        a.detach() if isinstance(a, nn.Parameter) else _unparameterized(a) if isinstance(a, tuple) else a for a in args
+    )
 
 
 def _device_error(error: BaseException | None) -> BaseException | None:

@@ -145,7 +145,7 @@ def resolve_dtype(
     else its stored weights' (`stored`), else fp32, on every device, as transformers' from_pretrained resolves it.
     One exception, logged: fp16 for a family known to overflow in it (inf/NaN embeddings) becomes bf16 (fp32 on
     a GPU without bf16); dtype=torch.float16 by name still runs fp16, with a warning."""
-    asked = model_kwargs.get("dtype", model_kwargs.get("torch_dtype")) or "auto"
+    asked = model_kwargs.get("dtype") or model_kwargs.get("torch_dtype") or "auto"  # as from_pretrained reads them
     dtype = asked
     if asked == "auto":
         dtype = getattr(config, "dtype", None) or stored or torch.float32

@@ -43,7 +43,7 @@ def chunk_vectors(model, inputs: list[str], chunking: Chunking, prompt: str | No
     plan = [w for doc, d in enumerate(documents) for w in windows(doc, d, spans[doc], room)]
     first = list(itertools.accumulate((len(s) for s in spans), initial=0))  # each document's first chunk's row
     results: list = [None] * first[-1]
-    landing = HostRows(results, waits=to_cpu and run["device"].type == "cuda")
+    landing = HostRows(results, copied_from=run["device"] if to_cpu and run["device"].type == "cuda" else None)
     tokenize = lambda chunk, positions: chunk  # noqa: E731 the sequences are already token ids
     packs = model.packed_runs([w.sequence for w in plan], tokenize, prompt=prompt, **run)
     for picked, out in packs:

@@ -93,10 +93,10 @@ class FastModel:
         """The one loop of every class: inputs tokenized a chunk at a time in a background thread, sorted by token
         length within the chunk, packed into batches of at most `batch_size` inputs and `max_tokens` tokens (one
         schedule for the call: it keeps a budget learned from running out of memory); yields (the inputs'
-        positions in `inputs`, the modules' outputs for them)."""
+        positions in `inputs`, the modules' outputs for them). In inference mode, whoever calls it."""
         self.eval()
         schedule = Schedule(self, prompt, device, batch_size, max_tokens)
-        with tqdm(total=len(inputs), desc="Texts", disable=not show_progress_bar) as progress:
+        with torch.inference_mode(), tqdm(total=len(inputs), desc="Texts", disable=not show_progress_bar) as progress:
             for chunk, sequences in _tokenized_chunks(tokenize, inputs):
                 for picked, out in schedule.run(sequences, **kwargs):
                     yield [chunk[i] for i in picked], out
@@ -126,22 +126,24 @@ class FastModel:
 
     @max_tokens_per_batch.setter
     def max_tokens_per_batch(self, value: int | None) -> None:
-        if value is not None and value < 1:
-            raise ValueError(f"max_tokens_per_batch must be positive, got {value}")
-        self._max_tokens_per_batch = value
+        self._max_tokens_per_batch = check_budget(value)
 
     def _max_tokens_for(self, device: torch.device, asked: int | None = None) -> int:
-        """The budget asked for this call, else the one set by the user, else a default for the device: fixed
-        on CPUs, from free memory on GPUs."""
-        if asked is not None and asked < 1:
-            raise ValueError(f"max_tokens_per_batch must be positive, got {asked}.")
-        if asked or self._max_tokens_per_batch is not None:
+        """The budget asked for this call (best checked before the device is resolved, too), else the one set
+        by the user, else a default for the device: fixed on CPUs, from free memory on GPUs."""
+        if check_budget(asked) or self._max_tokens_per_batch is not None:
             return asked or self._max_tokens_per_batch
         return default_max_tokens(self[0].config, next(self[0].parameters()).dtype, device)
 
     def get_model_kwargs(self) -> list[str]:
         extra = ["max_tokens_per_batch"] if self.backend == "fast" else []
         return [*super().get_model_kwargs(), *extra]
+
+
+def check_budget(tokens: int | None) -> int | None:
+    if tokens is not None and tokens < 1:
+        raise ValueError(f"max_tokens_per_batch must be positive, got {tokens}.")
+    return tokens
 
 
 def _tokenized_chunks(tokenize: Tokenize, inputs: list) -> Iterator[tuple[range, list]]:

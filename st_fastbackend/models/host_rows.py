@@ -17,17 +17,22 @@ class HostRows:
 
     DEPTH = 4  # packs in flight: the host waits for the oldest only while the GPU has newer ones queued
 
-    def __init__(self, results: list, waits: bool, event=None) -> None:
-        self.results, self.waits = results, waits
-        self.event = event or (lambda: torch.cuda.Event())  # a copy's completion, recorded on the GPU's queue
+    def __init__(self, results: list, copied_from: torch.device | None = None, event=None, stream=None) -> None:
+        """`copied_from`: the GPU the rows are copied from without waiting; None: rows are placed as they come.
+        `event`, `stream`: torch.cuda.Event and torch.cuda.current_stream (stand-ins in the tests)."""
+        self.results, self.device = results, copied_from
+        self.event = event or torch.cuda.Event  # a copy's completion
+        self.stream = stream or torch.cuda.current_stream
         self.pending: deque[tuple[list[int], Tensor, Any]] = deque()
 
     def add(self, positions: list[int], rows: list | Tensor) -> None:
-        if not self.waits:
+        if self.device is None:
             self._place(positions, rows)
             return
         done = self.event()
-        done.record()
+        # On the queue of the model's GPU, where the copy was queued: the current device's (record()'s default)
+        # is another GPU's for a model on cuda:1 or in a multi-process pool, and would be done at once.
+        done.record(self.stream(self.device))
         self.pending.append((positions, rows, done))
         while len(self.pending) > self.DEPTH:
             self._land()

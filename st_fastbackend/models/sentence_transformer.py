@@ -19,7 +19,7 @@ from torch import Tensor
 from st_fastbackend.engine.spec import UnsupportedModelError
 from st_fastbackend.models.chunked import aggregate, chunk_vectors, pipeline_normalizes
 from st_fastbackend.models.chunking import Chunking, Chunks
-from st_fastbackend.models.fast import FastModel
+from st_fastbackend.models.fast import FastModel, check_budget
 from st_fastbackend.models.host_rows import HostRows
 from st_fastbackend.modules import PackedPooling, PackedTransformer, check_texts
 
@@ -80,6 +80,7 @@ class SentenceTransformer(FastModel, sentence_transformers.SentenceTransformer):
         if output_value not in OUTPUT_VALUES:
             raise ValueError(f"output_value must be one of {OUTPUT_VALUES}, got {output_value!r}.")
         check_texts(inputs)  # before sorting, so an error names the caller's index
+        check_budget(max_tokens_per_batch)  # before the device is resolved, which may move the model
         device = self._resolve_inference_device(device)
         max_tokens = self._max_tokens_for(device, max_tokens_per_batch)
         if chunking is not None:
@@ -96,7 +97,7 @@ class SentenceTransformer(FastModel, sentence_transformers.SentenceTransformer):
 
         results: list = [None] * len(inputs)
         copied = device.type == "cuda" and save_to_cpu and output_value == "sentence_embedding"  # see _rows
-        landing = HostRows(results, waits=copied)
+        landing = HostRows(results, copied_from=device if copied else None)
         runs = self.packed_runs(inputs, tokenize, prompt=prompt, device=device, batch_size=batch_size,
                                 max_tokens=max_tokens, show_progress_bar=show_progress_bar, **kwargs)  # fmt: skip
         for positions, out in runs:
