@@ -8,6 +8,7 @@ ceiling measured in the same run, and peak extra memory.
     python eval/bench.py                                  # every model, workload and dtype
     python eval/bench.py --models minilm --workloads sts --dtypes fp32 --rounds 3
     python eval/bench.py --peers vllm=/opt/vllm-cpu/bin/python openvino=/opt/ov/bin/python
+    python eval/bench.py --dtypes fp32 --int8 --peers onnx-int8=/tmp/peer/bin/python openvino-int8=/tmp/peer/bin/python
 
 --peers runs other systems installed in their own environments through eval/peer.py on the same model
 folders and texts (after plain and fast, not interleaved with them) and adds them to the table.
@@ -102,6 +103,32 @@ class Without:
             return self.model.encode(*args, **kwargs)
         finally:
             setattr(self.owner, self.switch, before)
+
+
+class Bf16Products:
+    """A model whose calls run with PyTorch's setting for fp32 products in bf16 (torch.set_float32_matmul_precision
+    ("medium")), put back after each call: beside fp32 systems in one run."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def encode(self, *args, **kwargs):
+        before = torch.backends.mkldnn.matmul.fp32_precision
+        torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+        try:
+            return self.model.encode(*args, **kwargs)
+        finally:
+            torch.backends.mkldnn.matmul.fp32_precision = before
+
+
+def int8_systems(path: str, device: str) -> dict:
+    """The fast backend's other CPU precision levels of an fp32 model, for the fp32 rows: bf16 products, int8."""
+    from st_fastbackend import SentenceTransformer
+
+    def fast(**model_kwargs):
+        return SentenceTransformer(path, backend="fast", device=device, model_kwargs=model_kwargs)
+
+    return {"fast_bf16_products": Bf16Products(fast()), "fast_int8": fast(quantize="int8")}
 
 
 def seam_systems(name: str) -> dict:
@@ -267,6 +294,8 @@ def main() -> None:
     parser.add_argument("--other-seams", action="store_true",
                         help="also the fast backend with its layer seams the other way: compiled where they are eager "
                         "by default (CPU), eager where compiled (CUDA)")  # fmt: skip
+    parser.add_argument("--int8", action="store_true",
+                        help="fp32 rows: also fast with bf16 products and with quantize='int8'")  # fmt: skip
     parser.add_argument("--peers", nargs="*", default=[], metavar="NAME=PYTHON",
                         help="vllm, openvino, onnx or torch, and the Python of its environment")  # fmt: skip
     args = parser.parse_args()
@@ -311,6 +340,8 @@ def main() -> None:
                     compiled = not systems["fast"][0].runtime.fused
                     name = f"fast_{'compiled' if compiled else 'eager'}_seams"
                     compared[name] = Without(systems["fast"], "compiled_seams", compiled)
+                if args.int8 and dtype_name == "fp32":
+                    compared.update(int8_systems(path, args.device))
                 results = run_case(compared, texts, args.batch_size, args.rounds, args.device, prompt)
                 for peer, python in peers.items():
                     peer_dtype = "fp32" if dtype == torch.float32 else "bf16"  # peers pick their own products
@@ -355,14 +386,17 @@ def main() -> None:
     print(f"written to {out} and {out.with_suffix('.png')}")
 
 
-def run_peer(system: str, python: str, model: str, dtype: str, texts: list[str], batch_size: int, rounds: int) -> dict:
+def run_peer(
+    system: str, python: str, model: str, dtype: str, texts: list[str], batch_size: int, rounds: int,
+    data_dir: Path = DEFAULT_DATA_DIR,
+) -> dict:  # fmt: skip
     """eval/peer.py under the peer's own Python: its embeddings and the seconds of its timed rounds."""
     with tempfile.TemporaryDirectory() as work:
         texts_file, out = Path(work) / "texts.json", Path(work) / "out.npz"
         texts_file.write_text(json.dumps(texts))
         command = [python, str(REPO / "eval" / "peer.py"), "--system", system, "--model", model, "--dtype", dtype,
                    "--texts", str(texts_file), "--batch-size", str(batch_size), "--rounds", str(rounds),
-                   "--out", str(out)]  # fmt: skip
+                   "--out", str(out), "--data-dir", str(data_dir)]  # fmt: skip
         subprocess.run(command, check=True)
         result = np.load(out)
         return {"embeddings": result["embeddings"], "times": result["seconds"].tolist(), "peak_extra_bytes": None}

@@ -7,22 +7,37 @@ the peer's dependencies (vLLM for CPU, optimum-intel for OpenVINO) never meet th
 Writes the embeddings of the first (untimed) call and the timed rounds' seconds to --out. Systems:
 "vllm" (`LLM(runner="pooling")`, prefix cache off; threads from VLLM_CPU_OMP_THREADS_BIND),
 "openvino" and "onnx" (sentence-transformers' own backends), "torch" (plain sentence-transformers: a
-check of this protocol against the in-process plain run).
+check of this protocol against the in-process plain run), and sentence-transformers' own int8 exports of the
+model: "onnx-int8" (export_dynamic_quantized_onnx_model, "avx512_vnni") and "openvino-int8"
+(export_static_quantized_openvino_model, default OVQuantizationConfig; calibrated on 300 STS-B dev sentences
+from --data-dir, in place of its default download of GLUE SST-2, which these machines cannot reach). Each export
+is written once into a copy of the model folder under --work-dir and reused.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
+import shutil
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+SYSTEMS = ["vllm", "openvino", "onnx", "torch", "onnx-int8", "openvino-int8"]
+# The file each int8 export writes, as sentence-transformers names it.
+INT8_FILES = {
+    "onnx-int8": "onnx/model_qint8_avx512_vnni.onnx",
+    "openvino-int8": "openvino/openvino_model_qint8_quantized.xml",
+}
 
 
-def load(system: str, model: str, dtype: str) -> Callable[[list[str], int], np.ndarray]:
+def load(
+    system: str, model: str, dtype: str, work_dir: Path | None = None, calibration: list[str] | None = None
+) -> Callable[[list[str], int], np.ndarray]:
     if system == "vllm":
         from vllm import LLM
 
@@ -40,25 +55,65 @@ def load(system: str, model: str, dtype: str) -> Callable[[list[str], int], np.n
         kwargs = {"model_kwargs": {"dtype": getattr(torch, DTYPES[dtype])}}
     elif system in ("openvino", "onnx"):
         kwargs = {"backend": system}  # these backends choose their own precision
+    elif system in INT8_FILES:
+        model = int8_export(system, model, work_dir, calibration)
+        kwargs = {"backend": system.removesuffix("-int8"), "model_kwargs": {"file_name": INT8_FILES[system]}}
     else:
         raise ValueError(f"Unknown peer system {system!r}")
     st_model = SentenceTransformer(model, device="cpu", **kwargs)
     return lambda texts, batch_size: st_model.encode(texts, batch_size=batch_size).astype(np.float32)
 
 
+def int8_export(system: str, model: str, work_dir: Path, calibration: list[str]) -> str:
+    """sentence-transformers' own int8 export of `model` in a copy of its folder (made once): the folder."""
+    from sentence_transformers import (
+        SentenceTransformer,
+        export_dynamic_quantized_onnx_model,
+        export_static_quantized_openvino_model,
+    )
+
+    folder = work_dir / f"{Path(model).name}-{system}"
+    if (folder / INT8_FILES[system]).is_file():
+        return str(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.copytree(model, folder)
+    backend = system.removesuffix("-int8")
+    exported = SentenceTransformer(str(folder), backend=backend, device="cpu")
+    if system == "onnx-int8":
+        export_dynamic_quantized_onnx_model(exported, "avx512_vnni", str(folder))
+        return str(folder)
+    data = work_dir / "calibration"  # a local dataset folder: datasets.load_dataset reads its train.csv
+    data.mkdir(parents=True, exist_ok=True)
+    with open(data / "train.csv", "w", encoding="utf8", newline="") as f:
+        csv.writer(f).writerows([["sentence"], *([text] for text in calibration)])
+    export_static_quantized_openvino_model(exported, None, str(folder), dataset_name=str(data),
+                                           dataset_config_name="default", dataset_split="train",
+                                           column_name="sentence")  # fmt: skip
+    return str(folder)
+
+
+def stsb_dev_sentences(data_dir: Path, count: int = 300) -> list[str]:
+    with open(data_dir / "stsb" / "stsb-dev.tsv", encoding="utf8", newline="") as f:
+        rows = list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+    return [r["sentence1"] for r in rows][:count]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--system", required=True, choices=["vllm", "openvino", "onnx", "torch"])
+    parser.add_argument("--system", required=True, choices=SYSTEMS)
     parser.add_argument("--model", required=True)
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp32")
     parser.add_argument("--texts", required=True, help="a JSON list of strings")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--work-dir", type=Path, default=Path("/tmp/st_fastbackend_peers"), help="int8 exports")
+    parser.add_argument("--data-dir", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "data")
     args = parser.parse_args()
     with open(args.texts, encoding="utf8") as f:
         texts = json.load(f)
-    embed = load(args.system, args.model, args.dtype)
+    calibration = stsb_dev_sentences(args.data_dir) if args.system == "openvino-int8" else None
+    embed = load(args.system, args.model, args.dtype, args.work_dir, calibration)
     embed(texts[: args.batch_size], args.batch_size)  # warm-up
     embeddings = embed(texts, args.batch_size)
     seconds = []

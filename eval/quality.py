@@ -7,6 +7,12 @@ as title + " " + text, as MTEB does. Published MTEB figures come from reference_
     python eval/quality.py                        # bundled all-MiniLM-L6-v2, both backends, all tasks
     python eval/quality.py --backend fast --tasks stsb-test sickr
     python eval/quality.py --data-dir /data    # holds stsb/, sick/, scifact/ (and reference_scores/)
+    python eval/quality.py --quantize int8 --peers onnx-int8=/tmp/stpeer/bin/python openvino-int8=/tmp/...
+
+--quantize adds the fast backend with model_kwargs={"quantize": ...}; --peers adds systems run in their own
+environment through eval/peer.py (sentence-transformers' int8 exports; MiniLM has no prompts, so a peer's
+encode() stands for encode_query and encode_document). STS tasks also report 1 - cosine to plain fp32 per text
+(worst and median over both columns).
 
 Each run writes a new eval/results/quality-<model>-<date>-<time>.json.
 """
@@ -61,6 +67,11 @@ def read_tsv(path: Path) -> list[dict[str, str]]:
 
 
 def sts_spearman(model, task: StsTask, data_dir: Path, batch_size: int = 32) -> float:
+    return sts_scored(model, task, data_dir, batch_size)[0]
+
+
+def sts_scored(model, task: StsTask, data_dir: Path, batch_size: int = 32) -> tuple[float, np.ndarray]:
+    """Spearman of the pairs' cosines with the gold scores, and the embeddings [2 x pairs, dim]."""
     from scipy.stats import spearmanr
 
     rows = read_tsv(data_dir / task.file)
@@ -68,7 +79,23 @@ def sts_spearman(model, task: StsTask, data_dir: Path, batch_size: int = 32) -> 
     a = model.encode([r[first] for r in rows], batch_size=batch_size, normalize_embeddings=True)
     b = model.encode([r[second] for r in rows], batch_size=batch_size, normalize_embeddings=True)
     cosine = (a * b).sum(axis=1)
-    return float(spearmanr([float(r[gold]) for r in rows], cosine).statistic)
+    return float(spearmanr([float(r[gold]) for r in rows], cosine).statistic), np.concatenate([a, b])
+
+
+class Peer:
+    """A system in its own environment (eval/peer.py) with the encode() this script calls."""
+
+    def __init__(self, system: str, python: str, model: str, data_dir: Path) -> None:
+        self.system, self.python, self.model, self.data_dir = system, python, model, data_dir
+
+    def encode(self, texts: list[str], batch_size: int = 32, normalize_embeddings: bool = True) -> np.ndarray:
+        from bench import run_peer
+
+        out = run_peer(self.system, self.python, self.model, "fp32", texts, batch_size, 0, self.data_dir)
+        embeddings = out["embeddings"]
+        return embeddings / np.linalg.norm(embeddings, axis=1, keepdims=True)
+
+    encode_query = encode_document = encode
 
 
 def retrieval_ndcg10(model, task: RetrievalTask, data_dir: Path, batch_size: int = 32) -> float:
@@ -109,13 +136,15 @@ def published(data_dir: Path, model_name: str, reference: tuple[str, str]) -> fl
     return float(max(rows, key=lambda r: len(r["value"]))["value"]) if rows else None
 
 
-def evaluate(model, task, data_dir: Path, batch_size: int) -> tuple[float, float]:
+def evaluate(model, task, data_dir: Path, batch_size: int) -> tuple[float, float, np.ndarray | None]:
+    """(score, seconds, the STS embeddings or None)."""
     start = time.perf_counter()
+    embeddings = None
     if isinstance(task, StsTask):
-        score = sts_spearman(model, task, data_dir, batch_size)
+        score, embeddings = sts_scored(model, task, data_dir, batch_size)
     else:
         score = retrieval_ndcg10(model, task, data_dir, batch_size)
-    return score, time.perf_counter() - start
+    return score, time.perf_counter() - start, embeddings
 
 
 def main() -> None:
@@ -131,20 +160,37 @@ def main() -> None:
     parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=["stsb-test", "sickr", "scifact"])
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--output-dir", type=Path, default=REPO / "eval" / "results")
+    parser.add_argument("--quantize", choices=["int8"], default=None, help="also the fast backend quantized")
+    parser.add_argument("--peers", nargs="*", default=[], metavar="NAME=PYTHON", help="eval/peer.py systems")
     args = parser.parse_args()
     if not args.data_dir.is_dir():
         raise SystemExit(f"No evaluation data at {args.data_dir}; pass --data-dir or set ST_FASTBACKEND_DATA_DIR.")
     reference_name = args.reference_name or (MINILM_NAME if args.model == str(get_model_path()) else args.model)
     backends = ["torch", "fast"] if args.backend == "both" else [args.backend]
-    models = {b: SentenceTransformer(args.model, backend=b, device="cpu" if not torch.cuda.is_available() else None)
-              for b in backends}  # fmt: skip
+    device = "cpu" if not torch.cuda.is_available() or args.quantize else None
+    models = {b: SentenceTransformer(args.model, backend=b, device=device) for b in backends}
+    if args.quantize:
+        backends.append(f"fast-{args.quantize}")
+        models[backends[-1]] = SentenceTransformer(
+            args.model, backend="fast", device="cpu", model_kwargs={"quantize": args.quantize}
+        )
+    for peer, python in (p.split("=", 1) for p in args.peers):
+        backends.append(peer)
+        models[peer] = Peer(peer, python, args.model, args.data_dir)
 
     results = []
     for name in args.tasks:
         task = TASKS[name]
         row = {"task": name, "published": published(args.data_dir, reference_name, task.reference)}
+        embeddings = {}
         for backend, model in models.items():
-            row[backend], row[f"{backend}_seconds"] = evaluate(model, task, args.data_dir, args.batch_size)
+            row[backend], row[f"{backend}_seconds"], embeddings[backend] = evaluate(
+                model, task, args.data_dir, args.batch_size
+            )
+        if "torch" in embeddings and embeddings["torch"] is not None:  # per text, against plain fp32
+            for backend, e in embeddings.items():
+                distance = 1 - (e * embeddings["torch"]).sum(axis=1)
+                row[f"{backend}_1_minus_cos"] = {"max": float(distance.max()), "median": float(np.median(distance))}
         results.append(row)
         print(_format_row(row, backends), flush=True)
 
@@ -166,9 +212,11 @@ def _format_row(row: dict, backends: list[str]) -> str:
 
     parts = [f"{row['task']:<10}", f"published {fmt(row['published'])}"]
     for backend in backends:
-        label = "plain" if backend == "torch" else "fast"
-        parts.append(f"{label} {fmt(row[backend])} ({row[f'{backend}_seconds']:.1f}s)")
-    if len(backends) == 2:
+        label = "plain" if backend == "torch" else backend
+        distance = row.get(f"{backend}_1_minus_cos")
+        cos = f", 1-cos max {distance['max']:.1e} median {distance['median']:.1e}" if distance else ""
+        parts.append(f"{label} {fmt(row[backend])} ({row[f'{backend}_seconds']:.1f}s{cos})")
+    if "fast" in row and "torch" in row:
         parts.append(f"|fast-plain| {abs(row['fast'] - row['torch']):.1e}")
     return "  ".join(parts)
 

@@ -10,14 +10,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.activations import ACT2FN
 
-from st_fastbackend.engine import fused, onednn
+from st_fastbackend.engine import fused, onednn, quantize
 
 
 class Linear(nn.Linear):
     """nn.Linear whose products run through oneDNN (engine/onednn.py) where the engine's Runtime says so:
-    the engine sets `product_dtype` from it (None: PyTorch's F.linear), and without gradients only. The
-    dense weight stays the parameter (state_dict, .to(device)); the reordered copies are rebuilt whenever
-    the weight changes, and cost as much memory again as the weights they copy."""
+    the engine sets `product_dtype` from it (None: PyTorch's F.linear; torch.int8: int8 products of
+    engine/quantize.py), and without gradients only. The dense weight stays the parameter (state_dict,
+    .to(device)); the reordered copies are rebuilt whenever the weight changes, and cost as much memory again
+    as the weights they copy (a quarter of it in int8)."""
 
     product_dtype: torch.dtype | None = None
     _packed: dict | None = None
@@ -25,11 +26,15 @@ class Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         if not self._onednn():
             return F.linear(x, self.weight, self.bias)
+        if self.product_dtype == torch.int8:
+            return quantize.product(x, self._part(0, 1)).to(self.weight.dtype)
         return onednn.product(x, self._part(0, 1)).to(self.weight.dtype)
 
     def act(self, x: Tensor, name: str) -> Tensor:
         """ACT2FN[name](self(x)). Through oneDNN the activation runs inside the product and the result stays
         in the product dtype, which the next product takes."""
+        if self._onednn() and self.product_dtype == torch.int8:  # the activation in the pass after the product
+            return quantize.product(x, self._part(0, 1), _activation(name)).to(self.weight.dtype)
         if name in onednn.ACTIVATIONS and self._onednn():
             return onednn.product(x, self._part(0, 1), activation=name)
         return _activation(name)(self(x))
@@ -38,7 +43,7 @@ class Linear(nn.Linear):
         """ACT2FN[name](gate) * up, where gate and up are the two halves of this layer's outputs (Llama's
         SiLU MLP, Gemma's GELU-tanh MLP, ModernBERT's GeGLU). Through oneDNN both run inside the halves'
         products, the result in the product dtype; else after the product, compiled where asked."""
-        if name not in onednn.ACTIVATIONS or not self._onednn():
+        if name not in onednn.ACTIVATIONS or not self._onednn() or self.product_dtype == torch.int8:
             return fused.seams(compiled).gated(self(x), _activation(name))
         x = x.to(self.product_dtype)  # once, for both halves
         gate = onednn.product(x, self._part(0, 2), activation=name)
@@ -50,14 +55,18 @@ class Linear(nn.Linear):
     def _onednn(self) -> bool:
         return self.product_dtype is not None and not torch.is_grad_enabled()
 
-    def _part(self, part: int, parts: int) -> onednn.Packed:
-        """Rows part/parts of the weight and bias, reordered for oneDNN: made once per weight version."""
+    def _part(self, part: int, parts: int) -> onednn.Packed | quantize.QPacked:
+        """Rows part/parts of the weight and bias, reordered for oneDNN (quantized for int8 products): made
+        once per weight version."""
         key = (self.weight.data_ptr(), self.weight._version, self.product_dtype)
         if self._packed is None or self._packed["key"] != key:
             self._packed = {"key": key}
         if (part, parts) not in self._packed:
-            bias = None if self.bias is None else self.bias.chunk(parts)[part]
-            self._packed[part, parts] = onednn.prepack(self.weight.chunk(parts)[part], bias, self.product_dtype)
+            weight, bias = self.weight.chunk(parts)[part], None if self.bias is None else self.bias.chunk(parts)[part]
+            if self.product_dtype == torch.int8:
+                self._packed[part, parts] = quantize.prepack(weight, bias)
+            else:
+                self._packed[part, parts] = onednn.prepack(weight, bias, self.product_dtype)
         return self._packed[part, parts]
 
     def _apply(self, fn, *args, **kwargs):

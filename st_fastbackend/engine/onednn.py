@@ -33,7 +33,7 @@ ACTIVATIONS = {
     "tanh": ("tanh", ""),
     "sigmoid": ("sigmoid", ""),
 }
-_PREPACK_ROWS = 4096  # the layout is chosen for products with about this many tokens
+PREPACK_ROWS = 4096  # the layout is chosen for products with about this many tokens
 
 Packed = tuple[Tensor, Tensor | None]  # (weight in oneDNN's layout, bias), both in the product dtype
 
@@ -65,7 +65,7 @@ def prepack(weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> Packed:
     """(weight, bias) in `dtype`, the weight reordered into oneDNN's layout."""
     weight = weight.detach().to(dtype).contiguous()
     bias = None if bias is None else bias.detach().to(dtype).contiguous()
-    return torch.ops.mkldnn._reorder_linear_weight(weight, _PREPACK_ROWS), bias
+    return torch.ops.mkldnn._reorder_linear_weight(weight, PREPACK_ROWS), bias
 
 
 def product(x: Tensor, packed: Packed, activation: str | None = None, multiply: Tensor | None = None) -> Tensor:

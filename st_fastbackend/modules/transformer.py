@@ -18,7 +18,7 @@ import torch
 from sentence_transformers.base.modules import InputModule, Transformer
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
-from st_fastbackend.engine import fused, onednn
+from st_fastbackend.engine import fused, onednn, quantize
 from st_fastbackend.engine.batch import PackedBatch
 from st_fastbackend.engine.layers import Linear
 from st_fastbackend.engine.prefix import LayerKV, Prefix
@@ -62,6 +62,7 @@ class PackedTransformer(InputModule):
         check_tokenizer_files(self.folder)  # before minutes of loading a large model
         self.model = build_engine(config)
         device = load_device(model_kwargs.get("device_map"))
+        self.quantize = quantize.check_quantize(model_kwargs.get("quantize"), device)  # None or "int8"
         dtype = resolve_dtype(model_kwargs, config, device.type, stored_dtype(self.folder))
         self.config = config
         self.load_checkpoint(device, dtype)
@@ -135,6 +136,8 @@ class PackedTransformer(InputModule):
         device and dtype (decided once for each, and for PyTorch's setting of fp32 products on a CPU)."""
         weight = next(self.model.parameters())
         products = onednn.product_dtype(weight.dtype) if self.onednn_copies and weight.device.type == "cpu" else None
+        if self.quantize:  # int8 products in the Linear layers (_use), attention and the rest in the model dtype
+            products = quantize.check_device(weight.device)
         seams = fused.on_by_default(weight.device.type) if self.compiled_seams is None else self.compiled_seams
         return choose_runtime(weight.device.type, weight.dtype, weight.device.index, products, seams)
 
@@ -147,7 +150,7 @@ class PackedTransformer(InputModule):
         """The dtype inference runs the matrix products in: the model's, or bf16 for an fp32 model on a
         CPU where PyTorch's setting allows it (torch.set_float32_matmul_precision("medium"))."""
         runtime = self.runtime
-        return runtime.product_dtype or runtime.dtype
+        return torch.int8 if self.quantize else runtime.product_dtype or runtime.dtype
 
     def get_embedding_dimension(self) -> int:
         return self.config.hidden_size
@@ -207,8 +210,8 @@ class PackedTransformer(InputModule):
         """Set the engine's layers up for `runtime` (logged): at load, and again whenever it changes."""
         for layer in self.model.modules():
             if isinstance(layer, Linear):
-                layer.product_dtype = runtime.product_dtype
-        logger.info(f"Runtime: {runtime}")
+                layer.product_dtype = torch.int8 if self.quantize else runtime.product_dtype
+        logger.info(f"Runtime: {runtime}" + (f"; Linear layers quantize={self.quantize!r}" if self.quantize else ""))
         self._applied = runtime
 
     def _apply(self, fn, *args, **kwargs):
