@@ -13,6 +13,9 @@
    same size); a prompt of 18,000 '!' (within the bound, more tokens than the limit) with 16 short inputs;
    and, for scale, 256 inputs of 256 tokens each.
 5. A stalled body: the time to its 408, and the time SIGTERM takes with a stalled client connected.
+6. What a client may hold without a request (issue 37; bench_hardening_connections.py): a header flood,
+   slowloris, idle connections, a server under an open-file limit of 1,024, a prompt per request, bodies
+   json cannot read. Then the server's RSS at start and idle after the whole trial (10 s after the last part).
 
     python eval/bench_hardening.py                   # bundled all-MiniLM-L6-v2, 64 and 200 clients, 5% bad
     python eval/bench_hardening.py --parts attacks   # part 4 only
@@ -38,10 +41,11 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_hardening_connections  # noqa: E402
 from bench_server import DEFAULT_DATA_DIR, sentences, start_server  # noqa: E402
 
 JSON_HEADER = {"Content-Type": "application/json"}
-PARTS = ("mixed", "oversized", "long_text", "attacks", "stalled")
+PARTS = ("mixed", "oversized", "long_text", "attacks", "connections", "stalled")
 BAD = ('{"input": "caf\\ud800 au lait"}', '{"input": "fine", "prompt": "query\\udfff: "}', '{"input": [true, false]}')
 
 
@@ -209,6 +213,7 @@ def main() -> None:
     expected = SentenceTransformer(args.model, backend="fast", device="cpu").encode(texts)
     result = {"date": time.strftime("%Y-%m-%d-%H%M"), "cores": os.cpu_count(), "model": args.model, "mixed": []}
     process, url = start_server(args.model)
+    result["rss_at_start_mib"] = round(rss_mib(process.pid))
     try:
         for clients in args.clients if "mixed" in args.parts else ():
             before = rss_mib(process.pid)
@@ -225,6 +230,12 @@ def main() -> None:
         if "attacks" in args.parts:
             result["attacks"] = attacks(url, process.pid, texts)
             print("\n".join(map(json.dumps, result["attacks"])), flush=True)
+        if "connections" in args.parts:
+            result["connections"] = bench_hardening_connections.run(url, process.pid, args.model, texts)
+            print(json.dumps(result["connections"], indent=1), flush=True)
+        time.sleep(10)
+        result["rss_idle_at_end_mib"] = round(rss_mib(process.pid))
+        print(f"server RSS at start {result['rss_at_start_mib']} MiB, idle at the end {result['rss_idle_at_end_mib']}")
     finally:
         process.terminate()
         process.wait(60)

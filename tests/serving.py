@@ -23,12 +23,14 @@ def free_port() -> int:
 
 
 def start_server(folder, *extra: str, launcher: tuple[str, ...] = ("-m", "st_fastbackend.cli"),
-                 env: dict | None = None) -> tuple[subprocess.Popen, str]:  # fmt: skip
-    """`launcher`: the Python arguments before the CLI's (a `-c` script may patch the package first)."""
+                 env: dict | None = None, log=None) -> tuple[subprocess.Popen, str]:  # fmt: skip
+    """`launcher`: the Python arguments before the CLI's (a `-c` script may patch the package first); `log`: a
+    file its output goes to."""
     port = free_port()
     command = [sys.executable, *launcher, "serve", str(folder), "--port", str(port), "--served-model-name", "tiny",
                "--device", DEVICE, *extra]  # fmt: skip
-    process = subprocess.Popen(command, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+    process = subprocess.Popen(command, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}, stdout=log,
+                               stderr=subprocess.STDOUT if log else None)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while time.time() < deadline:

@@ -153,3 +153,24 @@ def test_one_request_tokenized_chunk_by_chunk_lets_another_through(served_folder
     tokenizer.close()
     assert not big_done_first
     assert ids == embedder.tokenize(big, None, 256)
+
+
+def test_the_prompt_cache_keeps_the_most_recently_used_within_its_count_and_bytes(served_folder, monkeypatch):
+    """A server sees any number of distinct prompts: their tokens are kept for the 256 most recently used, in
+    16 MiB at most; one dropped is measured again, to the same tokens."""
+    from st_fastbackend.modules import tokenizer
+
+    texts = SentenceTransformer(str(served_folder), backend="fast", device=DEVICE)[0].texts
+    first = texts.prompt_ids("prompt 0: ")
+    for i in range(1, 300):
+        texts.prompt_ids(f"prompt {i}: ")
+        texts.prompt_ids("prompt 1: ")  # used again each time: kept
+    kept = list(texts._prompts)
+    assert len(kept) == tokenizer.PROMPT_CACHE_ENTRIES and kept[-1] == "prompt 1: " and "prompt 0: " not in kept
+    assert texts.prompt_ids("prompt 0: ") == first
+    monkeypatch.setattr(tokenizer, "PROMPT_CACHE_BYTES", 2**20)
+    for i in range(40):
+        texts.prompt_ids(f"long prompt {i}: " + "word " * 10_000)  # 50 KB of text each, and its tokens
+    kept = list(texts._prompts)
+    assert texts._prompt_bytes <= 2**20 and len(kept) < 40 and kept[-1].startswith("long prompt 39: ")
+    assert sum(tokenizer._size(p, ids) for p, ids in texts._prompts.items()) == texts._prompt_bytes

@@ -13,7 +13,7 @@ from pathlib import Path
 from st_fastbackend.cli.files import CliError
 from st_fastbackend.cli.options import describe, load_model, positive
 from st_fastbackend.cli.rerank import load_cross_encoder, serves_rerank
-from st_fastbackend.serve.limits import Limits
+from st_fastbackend.serve.limits import ConnectionLimits, Limits
 
 logger = logging.getLogger("st_fastbackend.serve")
 
@@ -38,12 +38,28 @@ def add_serve(serve: argparse.ArgumentParser) -> None:
                        help="model time a pack aims at (fewer tokens where the rate measured says so): what a "
                             "request arriving mid-pack waits")  # fmt: skip
     serve.add_argument("--no-dynamic-batching", action="store_true", help="one request at a time")
+    add_connection_limits(serve)
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="for the server's and the library's log lines")  # fmt: skip
     serve.add_argument("--no-access-log", action="store_true", help="no line per request")
     serve.add_argument("--task", default="auto", choices=["auto", "embed", "rerank"],
                        help="rerank: /v1/rerank and /rerank with a cross-encoder; auto: as sentence-transformers "
                             "tells a cross-encoder folder")  # fmt: skip
+
+
+def add_connection_limits(serve: argparse.ArgumentParser) -> None:
+    defaults = ConnectionLimits()
+    serve.add_argument("--max-connections", type=positive, default=defaults.max_connections,
+                       help="open at once; over it the one waiting longest for a request is closed, or the new "
+                            "one refused (503) when all are in a request")  # fmt: skip
+    serve.add_argument("--max-header-bytes", type=positive, default=defaults.max_header_bytes,
+                       help="request line and headers; 431 past this")  # fmt: skip
+    serve.add_argument("--max-headers", type=positive, default=defaults.max_headers,
+                       help="header fields per request; 431 past this")  # fmt: skip
+    serve.add_argument("--header-timeout", type=float, default=defaults.header_timeout,
+                       help="seconds from a request's first byte to the end of its headers; 408 past")  # fmt: skip
+    serve.add_argument("--keep-alive-timeout", type=float, default=defaults.keep_alive_timeout,
+                       help="seconds a connection may wait for its first or next request")  # fmt: skip
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -86,11 +102,23 @@ def run_server(app, args: argparse.Namespace) -> None:
     a supervisor to restart it (the CUDA context of this process is unusable)."""
     import uvicorn
 
+    from st_fastbackend.serve.connections import Connections, fit_open_files, guarded_protocol
+
     # uvicorn handles SIGTERM: stop accepting, let in-flight requests finish, run the app's shutdown. Then it
     # re-raises the signal under the handler that was there before; a no-op one makes the exit status 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    cap, fitted = fit_open_files(args.max_connections)
+    (logger.warning if cap < args.max_connections else logger.info)(fitted)
+    limits = ConnectionLimits(cap, args.max_header_bytes, args.max_headers, args.header_timeout,
+                              args.keep_alive_timeout)  # fmt: skip
+    connections = Connections(limits, app.state.metrics)
+    # uvicorn's own keep-alive timer restarts on any byte; the guard's fires first, uvicorn's is a backstop.
+    # limit_concurrency: a 503 once that many requests are in flight, counting those whose client has left
+    # (the guard keeps connections at `cap`, below it).
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            access_log=not args.no_access_log)  # fmt: skip
+                            access_log=not args.no_access_log, http=guarded_protocol(connections),
+                            timeout_keep_alive=limits.keep_alive_timeout + 1,
+                            limit_concurrency=cap + 1)  # fmt: skip
     server = uvicorn.Server(config)
     app.state.batcher.on_failure = lambda failure: setattr(server, "should_exit", True)
     server.run()

@@ -14,6 +14,9 @@ from __future__ import annotations
 import json
 import logging
 import re
+import sys
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,14 +177,26 @@ class DocumentTokens:
     spans: list[tuple[int, int]]
 
 
+# The prompts' tokens kept, least recently used dropped first: a server sees any number of distinct prompts.
+PROMPT_CACHE_ENTRIES = 256
+PROMPT_CACHE_BYTES = 16 * 2**20
+
+
 class TextTokenizer:
     """Texts -> token ids as the model expects them: the prompt first, BOS/EOS as tokenizer_config.json
     asks, truncated to `max_length` (default max_seq_length, the tokenizer's model_max_length), no padding.
-    `encode` is the one way text enters the fast backend (encode(), the server, the corpus job)."""
+    `encode` is the one way text enters the fast backend (encode(), the server, the corpus job).
+
+    `lock` is held around the tokenizer's calls for `encode`, `count` and `prompt_ids` (and by the server's
+    serve/tokens.py around its own): a Hugging Face fast tokenizer keeps its truncation setting in shared
+    state, and a prompt dropped from the cache is measured again on whichever thread asks for it."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, add_bos: bool, add_eos: bool) -> None:
         self.tokenizer, self.add_bos, self.add_eos = tokenizer, add_bos, add_eos
-        self._prompts: dict[str, tuple[int, ...]] = {}
+        self.lock = threading.Lock()
+        self._prompts: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._prompt_bytes = 0
+        self._prompts_lock = threading.Lock()  # not `lock`: a lookup never waits for another thread's texts
 
     def encode(
         self, texts: list[str], prompt: str | None = None, max_length: int | None = None, first_index: int = 0
@@ -203,13 +218,25 @@ class TextTokenizer:
 
     def prompt_ids(self, prompt: str) -> tuple[int, ...]:
         """The prompt's tokens as texts begin with them: without a trailing special token (as
-        sentence-transformers counts them). Measured once per prompt: call it on the thread that
-        tokenizes, before any other thread needs it (a tokenizer must not run in two threads at once)."""
-        if prompt not in self._prompts:
-            ids = self._token_ids([prompt], None)[0]
-            trailing_special = bool(ids) and ids[-1] in self.tokenizer.all_special_ids
-            self._prompts[prompt] = tuple(ids[: len(ids) - trailing_special])
-        return self._prompts[prompt]
+        sentence-transformers counts them). Measured once and kept while among the PROMPT_CACHE_ENTRIES
+        most recently used, within PROMPT_CACHE_BYTES (the latest always kept)."""
+        with self._prompts_lock:
+            if (kept := self._prompts.get(prompt)) is not None:
+                self._prompts.move_to_end(prompt)
+                return kept
+        ids = self._token_ids([prompt], None)[0]
+        trailing_special = bool(ids) and ids[-1] in self.tokenizer.all_special_ids
+        kept = tuple(ids[: len(ids) - trailing_special])
+        with self._prompts_lock:
+            if prompt not in self._prompts:
+                self._prompts[prompt] = kept
+                self._prompt_bytes += _size(prompt, kept)
+            while len(self._prompts) > 1 and (
+                len(self._prompts) > PROMPT_CACHE_ENTRIES or self._prompt_bytes > PROMPT_CACHE_BYTES
+            ):
+                dropped, ids = self._prompts.popitem(last=False)
+                self._prompt_bytes -= _size(dropped, ids)
+        return kept
 
     def document(self, text: str, prompt: str | None = None) -> DocumentTokens:
         """prompt + text tokenized whole, without truncation, split into what every chunk of it repeats (special
@@ -237,8 +264,14 @@ class TextTokenizer:
     def _token_ids(self, texts: list[str], max_length: int | None) -> list[list[int]]:
         extra = int(self.add_bos) + int(self.add_eos)
         limit = {"max_length": (max_length or self.tokenizer.model_max_length) - extra} if extra or max_length else {}
-        encoded = self.tokenizer(
-            texts, truncation="longest_first", return_attention_mask=False, return_token_type_ids=False, **limit
-        )["input_ids"]
+        with self.lock:
+            encoded = self.tokenizer(
+                texts, truncation="longest_first", return_attention_mask=False, return_token_type_ids=False, **limit
+            )["input_ids"]
         bos, eos = [self.tokenizer.bos_token_id] * self.add_bos, [self.tokenizer.eos_token_id] * self.add_eos
         return [bos + ids + eos for ids in encoded] if extra else encoded
+
+
+def _size(prompt: str, ids: tuple[int, ...]) -> int:
+    """Bytes a cached prompt holds, at most: the string, the tuple and an int object per token."""
+    return sys.getsizeof(prompt) + sys.getsizeof(ids) + 32 * len(ids)

@@ -49,7 +49,7 @@ def create_app(
                        body_timeout=limits.body_timeout)  # fmt: skip
     add_error_handlers(app, fail)
     app.include_router((rerank_routes if is_cross_encoder(model) else routes)(served))  # a cross-encoder: rerank
-    app.state.batcher = batcher
+    app.state.batcher, app.state.metrics = batcher, metrics
     return app
 
 

@@ -24,6 +24,7 @@ import torch
 
 from st_fastbackend.embedder import Embedder
 from st_fastbackend.engine.schedule import Schedule
+from st_fastbackend.serve.memory import release_memory
 from st_fastbackend.serve.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -117,6 +118,7 @@ class Batcher:
         self._active: list[Running] = []  # taken, in the order they came; touched by the worker only
         self._schedules: dict[str | None, Schedule] = {}  # one per prompt: a prompt computed once serves all packs
         self._round = 0
+        self._trimmed_at = 0  # the round after which memory was last handed back
         self._wake = threading.Condition()
         self._stopping = False
         self.failure: DeviceFailed | None = None  # set once the device failed; the worker has stopped
@@ -158,6 +160,11 @@ class Batcher:
         """Take what is waiting (one job at a time without dynamic batching) and drop jobs whose client left;
         False once stopping with nothing left to run."""
         while True:
+            with self._wake:
+                idle = not self._pending and not self._active
+            if idle and self._round > self._trimmed_at:  # a burst has ended: hand back what it freed (~0.1 s)
+                self._trimmed_at = self._round
+                release_memory()
             with self._wake:
                 while not self._pending and not self._active and not self._stopping:
                     self._wake.wait()

@@ -32,6 +32,18 @@ class ErrorResponses:
         return JSONResponse(body, status_code=error.status, headers=headers)
 
 
+def unparsable_body(cause: BaseException | None) -> str | None:
+    """What json.loads found wrong with a body where FastAPI only says "There was an error parsing the body"."""
+    if isinstance(cause, UnicodeDecodeError):
+        if cause.object[:2] == b"\x1f\x8b":
+            return "The request body is gzip-compressed; send it uncompressed, as JSON in UTF-8."
+        byte = cause.object[cause.start]
+        return f"The request body is not valid UTF-8: byte 0x{byte:02x} at position {cause.start}."
+    if isinstance(cause, RecursionError):
+        return "The request body nests JSON arrays or objects deeper than the parser goes."
+    return None
+
+
 def add_error_handlers(app: FastAPI, fail: ErrorResponses) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -42,7 +54,10 @@ def add_error_handlers(app: FastAPI, fail: ErrorResponses) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        """Starlette's own: an unknown path (404), a method the path does not take (405, with Allow)."""
+        """Starlette's own: an unknown path (404), a method the path does not take (405, with Allow); FastAPI's
+        400 for a body json.loads fails on with more than a JSON syntax error."""
+        if (reason := unparsable_body(exc.__cause__)) is not None:
+            return fail(ApiError(400, reason, code="invalid_body"))
         what = {404: "Invalid URL", 405: "Method not allowed"}.get(exc.status_code, exc.detail)
         error = ApiError(exc.status_code, f"{what} ({request.method} {request.url.path}).", code=None)
         return fail(error, headers=exc.headers)

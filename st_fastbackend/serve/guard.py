@@ -13,10 +13,10 @@ from st_fastbackend.serve.errors import ApiError, ErrorResponses
 
 
 class Guard:
-    """401 without the key (every path but `public_paths`); 413 as soon as the body passes
-    `max_body_bytes`, whether it comes with a Content-Length or chunked; 408 when the whole body has not
-    arrived within `body_timeout` seconds, so a stalled client neither holds a connection nor keeps a
-    SIGTERM from finishing. The app then reads the body from memory."""
+    """401 without the key (every path but `public_paths`); 415 for a compressed body (Content-Encoding); 413
+    as soon as the body passes `max_body_bytes`, whether it comes with a Content-Length or chunked; 408 when
+    the whole body has not arrived within `body_timeout` seconds, so a stalled client neither holds a
+    connection nor keeps a SIGTERM from finishing. The app then reads the body from memory."""
 
     def __init__(
         self,
@@ -39,6 +39,9 @@ class Guard:
         if self.key is not None and scope["path"] not in self.public_paths and not self._authorized(headers):
             error = ApiError(401, "Missing or wrong API key.", "authentication_error", "invalid_api_key")
             return await self.fail(error)(scope, receive, send)
+        if headers.get("content-encoding", "identity").lower() != "identity":
+            message = f"Content-Encoding {headers['content-encoding']!r} is not supported; send the body uncompressed."
+            return await self.fail(ApiError(415, message, code="unsupported_content_encoding"))(scope, receive, send)
         try:
             body = await asyncio.wait_for(self._read_body(headers, receive), self.body_timeout)
         except ApiError as error:

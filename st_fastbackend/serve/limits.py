@@ -1,4 +1,4 @@
-"""What one request may cost the server (no FastAPI import: the CLI reads the defaults)."""
+"""What one request, and one connection, may cost the server (no FastAPI import: the CLI reads the defaults)."""
 
 from __future__ import annotations
 
@@ -10,3 +10,14 @@ class Limits:
     max_body_bytes: int = 8 * 2**20
     max_request_chars: int = 2_000_000  # all inputs of one request together
     body_timeout: float = 30.0  # seconds for the whole body to arrive
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """What a client may hold before it has sent a request (serve/connections.py)."""
+
+    max_connections: int = 1024  # open at once; over it, the one waiting longest for its request is closed
+    max_header_bytes: int = 16 * 2**10  # request line and headers, as h11 and Node.js default to
+    max_headers: int = 100  # header fields per request, as Apache's LimitRequestFields
+    header_timeout: float = 10.0  # seconds from a request's first byte to the end of its headers
+    keep_alive_timeout: float = 5.0  # seconds a connection may wait for its next request (uvicorn's default)

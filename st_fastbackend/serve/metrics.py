@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
@@ -32,6 +32,11 @@ class Metrics:
         )  # fmt: skip
         self.reruns = Counter(
             "embedding_batch_reruns_total", "Failed batches run again job by job to isolate the failure",
+            registry=registry,
+        )  # fmt: skip
+        self.connections = Gauge("embedding_open_connections", "Client connections open", registry=registry)
+        self.closed = Counter(
+            "embedding_connections_closed_total", "Connections the server closed or refused, by reason", ["reason"],
             registry=registry,
         )  # fmt: skip
 

@@ -88,7 +88,7 @@ class RequestTokenizer:
     def _prompt_alone(self, prompt: str, truncate: bool) -> list[int] | None:
         """The token ids of every input when the prompt alone has more than the limit's tokens before its
         last word (which an input may continue): computed once for the request. None otherwise."""
-        before_last = prompt[: last_word_start(self.embedder.texts.tokenizer, prompt)]
+        before_last = prompt[: self._word_start(prompt)]
         if self._count(before_last, None, self.limit + 1) <= self.limit:
             return None
         if not truncate:
@@ -113,7 +113,7 @@ class RequestTokenizer:
         offset = len(prompt or "")
 
         def word_start(prefix: str) -> int:
-            return max(0, last_word_start(self.embedder.texts.tokenizer, (prompt or "") + prefix) - offset)
+            return max(0, self._word_start((prompt or "") + prefix) - offset)
 
         count = lambda prefix: self._count(prefix, prompt, self.limit + 1)  # noqa: E731
         clipped = clip_text(text, self.limit, count, max_chars=self.max_chars, word_start=word_start)
@@ -129,6 +129,10 @@ class RequestTokenizer:
         if len(seq) > self.limit and not truncate:
             raise InputError(f"Input {index} has more than {self.limit} tokens and truncate is false.")
         return len(seq) > self.limit
+
+    def _word_start(self, text: str) -> int:
+        with self.embedder.texts.lock:  # the worker may measure a prompt meanwhile (modules/tokenizer.py)
+            return last_word_start(self.embedder.texts.tokenizer, text)
 
     def _count(self, text: str, prompt: str | None, max_length: int) -> int:
         return self.embedder.texts.count(text, prompt, max_length)
