@@ -198,6 +198,13 @@ class TextTokenizer:
         self._prompt_bytes = 0
         self._prompts_lock = threading.Lock()  # not `lock`: a lookup never waits for another thread's texts
 
+    def __getstate__(self) -> dict:
+        """Pickled (multi-process pools) without its locks, which cannot be pickled; the copy makes its own."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("lock", "_prompts_lock")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, lock=threading.Lock(), _prompts_lock=threading.Lock())
+
     def encode(
         self, texts: list[str], prompt: str | None = None, max_length: int | None = None, first_index: int = 0
     ) -> list[list[int]]:
