@@ -13,12 +13,14 @@ from st_fastbackend.cli.files import CliError
 from st_fastbackend.cli.options import (
     MATMUL_HELP,
     MATMUL_PRECISIONS,
+    QUANTIZE_HELP,
     add_prompt_options,
     check_model,
     describe,
     dtype_name,
     first_line,
     load_model,
+    model_kwargs,
     positive,
 )
 from st_fastbackend.integrations.ray_pool import STALL_TIMEOUT, PoolError, worker_gpus
@@ -43,6 +45,7 @@ def add_embed_corpus(commands, formatter_class) -> None:
     corpus.add_argument("--max-seq-length", type=positive, default=None, help="truncate inputs to this many tokens")
     corpus.add_argument("--matmul-precision", default=None, choices=MATMUL_PRECISIONS, help=MATMUL_HELP)
     corpus.add_argument("--shard-rows", type=positive, default=10_000, help="rows per output shard")
+    corpus.add_argument("--quantize", default=None, choices=["int8"], help=QUANTIZE_HELP)
     corpus.add_argument("--output-dtype", default="float32", choices=("float32", "float16"), help="of the embeddings")
     corpus.add_argument("--skip-invalid", action="store_true",
                         help="list rows whose id or text is null, or whose text is not a string, in rejects.parquet, "
@@ -111,7 +114,7 @@ def _output_folder(args: argparse.Namespace, scan):
 
     spec = JobSpec(model_name(args.model), model_identity(args.model), scan.fingerprint, args.id_column,
                    args.text_column, args.prompt, args.prompt_name, args.output_dtype, args.max_seq_length, args.dtype,
-                   args.matmul_precision, args.chunking)  # fmt: skip
+                   args.matmul_precision, args.chunking, args.quantize)  # fmt: skip
     return OutputFolder(args.output_dir, spec)
 
 
@@ -208,13 +211,11 @@ def _run_ray(args, scan, folder, done) -> None:
 
 def _load_kwargs(args) -> dict:
     """SentenceTransformer(...)'s keywords for the workers, as load_model() gives them here."""
-    import torch
-
     kwargs: dict = {"max_seq_length": args.max_seq_length} if args.max_seq_length else {}
     if args.device:
         kwargs["device"] = args.device
-    if args.dtype:
-        kwargs["model_kwargs"] = {"dtype": args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)}
+    if loading := model_kwargs(args):
+        kwargs["model_kwargs"] = loading
     return kwargs
 
 

@@ -42,6 +42,19 @@ def positive(value: str) -> int:
     return number
 
 
+QUANTIZE_HELP = "int8: integer products in the Linear layers (CPU with AVX512-VNNI; its error bound: README, int8)"
+
+
+def model_kwargs(args: argparse.Namespace) -> dict:
+    """SentenceTransformer's model_kwargs from --dtype and --quantize."""
+    import torch
+
+    kwargs = {"dtype": args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)} if args.dtype else {}
+    if getattr(args, "quantize", None):
+        kwargs["quantize"] = args.quantize
+    return kwargs
+
+
 def load_model(args: argparse.Namespace, backend: str = "fast"):
     """The model, or a one-line CliError: missing folder, a folder that is not a model, any load failure."""
     check_model(args.model)
@@ -51,9 +64,8 @@ def load_model(args: argparse.Namespace, backend: str = "fast"):
 
     if args.matmul_precision:
         torch.set_float32_matmul_precision(args.matmul_precision)
-    model_kwargs = {"dtype": args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)} if args.dtype else {}
     try:
-        model = SentenceTransformer(args.model, backend=backend, device=args.device, model_kwargs=model_kwargs)
+        model = SentenceTransformer(args.model, backend=backend, device=args.device, model_kwargs=model_kwargs(args))
     except Exception as error:  # whatever went wrong, one line; --debug shows where
         raise CliError(f"cannot load model {args.model}: {first_line(error)}") from error
     if args.max_seq_length:

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from st_fastbackend.cli.files import CliError, read_texts
-from st_fastbackend.cli.options import check_model, describe, first_line, positive
+from st_fastbackend.cli.options import check_model, describe, first_line, model_kwargs, positive
 
 
 def add_rerank(rerank: argparse.ArgumentParser) -> None:
@@ -69,10 +69,9 @@ def load_cross_encoder(args: argparse.Namespace):
 
     if args.matmul_precision:
         torch.set_float32_matmul_precision(args.matmul_precision)
-    model_kwargs = {"dtype": args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)} if args.dtype else {}
     try:
         backend = getattr(args, "backend", "fast")  # serve has no --backend
-        return CrossEncoder(args.model, backend=backend, device=args.device, model_kwargs=model_kwargs,
+        return CrossEncoder(args.model, backend=backend, device=args.device, model_kwargs=model_kwargs(args),
                             max_length=args.max_seq_length)  # fmt: skip
     except Exception as error:  # whatever went wrong, one line; --debug shows where
         raise CliError(f"cannot load model {args.model}: {first_line(error)}") from error

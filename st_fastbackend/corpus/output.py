@@ -52,6 +52,7 @@ class JobSpec:
     dtype: str | None  # --dtype
     matmul_precision: str | None  # bf16 products give other numbers than fp32 ones
     chunking: dict | None = None  # --chunk-tokens and its options (models/chunking.py), None: one row per text
+    quantize: str | None = None  # --quantize (int8 products give other numbers); None for folders from before it
 
 
 def model_name(model: str) -> str:
