@@ -249,8 +249,10 @@ class TextTokenizer:
         """prompt + text tokenized whole, without truncation, split into what every chunk of it repeats (special
         tokens and the prompt) and the text's own tokens with their character spans in `text` (chunking)."""
         full = prompt + text if prompt else text
-        encoded = self.tokenizer(full, truncation=False, return_offsets_mapping=True, return_special_tokens_mask=True,
-                                 return_attention_mask=False, return_token_type_ids=False, verbose=False)  # fmt: skip
+        with self.lock:  # as encode(): the tokenizer's truncation setting is shared state
+            encoded = self.tokenizer(full, truncation=False, return_offsets_mapping=True, verbose=False,
+                                     return_special_tokens_mask=True, return_attention_mask=False,
+                                     return_token_type_ids=False)  # fmt: skip
         bos, eos = [self.tokenizer.bos_token_id] * self.add_bos, [self.tokenizer.eos_token_id] * self.add_eos
         ids = bos + encoded["input_ids"] + eos
         special = [1] * len(bos) + encoded["special_tokens_mask"] + [1] * len(eos)
