@@ -51,8 +51,10 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUF
 
 # The modules whose models run on the suite's device; the rest (corpus job, Ray, CLI errors, MTEB, the
 # stand-ins) run on the CPU whatever --device says, and are the CPU CI's.
-CPU_ONLY=(test_corpus.py test_corpus_ray.py test_cuda_path.py test_mteb.py test_quality.py test_integrations.py
-          test_cli.py test_cli_errors.py test_serve_guard.py test_sentence_transformers_hooks.py)
+CPU_ONLY=(test_corpus.py test_corpus_ray.py test_corpus_integrity.py test_corpus_ray_integrity.py test_cuda_path.py
+          test_mteb.py test_quality.py test_integrations.py test_cli.py test_cli_errors.py test_serve_guard.py
+          test_serve_connections.py test_sentence_transformers_hooks.py test_layouts.py test_int8.py test_chunking.py
+          test_cross_encoder_serve.py)
 if [ "$PART" = "all" ] || [ "$PART" = "suite" ]; then
     echo "== 1. the test suite on the GPU"
     if [ -n "$DRY" ]; then
