@@ -6,6 +6,8 @@ compiled layer seams) on the same texts, calls alternating, median and 90th perc
 
 One short text is what a search box sends: the fast backend must not be slower there than plain (where the
 seams are compiled, they run so only for packs of at least engine/fused.py's MIN_TOKENS tokens).
+--int8 adds the fast backend with quantize="int8"; --one-thread adds the fast backend run with one intra-op
+thread for the call (torch.set_num_threads(1), put back after): what the thread pool's hand-offs cost a short call.
 """
 
 from __future__ import annotations
@@ -16,7 +18,22 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from bench import DEFAULT_DATA_DIR, run_case, seam_systems, workloads
+from bench import DEFAULT_DATA_DIR, int8_systems, run_case, seam_systems, workloads
+
+
+class OneThread:
+    """A model whose calls run with one intra-op thread."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def encode(self, *args, **kwargs):
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return self.model.encode(*args, **kwargs)
+        finally:
+            torch.set_num_threads(before)
 
 
 def main() -> None:
@@ -26,11 +43,17 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["minilm", "mistral"], choices=["minilm", "mistral"])
     parser.add_argument("--sizes", nargs="+", type=int, default=[1, 32], help="texts per call")
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--int8", action="store_true", help="also the fast backend with quantize='int8'")
+    parser.add_argument("--one-thread", action="store_true", help="also plain and fast with one thread per call")
     args = parser.parse_args()
     sentences = workloads(args.data_dir)["sts"]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32; STS-B test sentences")
     for name in args.models:
         systems = seam_systems(name)
+        if args.int8:
+            systems["fast, int8"] = int8_systems(systems["fast"][0].folder.as_posix(), "cpu")["fast_int8"]
+        if args.one_thread:
+            systems.update({f"{system}, 1 thread": OneThread(systems[system]) for system in ("plain", "fast")})
         for size in args.sizes:
             texts = sentences[:size]
             tokens = sum(map(len, systems["fast"][0].texts.encode(texts)))
