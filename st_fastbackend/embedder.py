@@ -25,9 +25,9 @@ class Embedder:
         self.device: torch.device = model.device
 
     def compiles_seams(self) -> bool:
-        """Whether packs of engine/fused.py's MIN_TOKENS tokens or more run compiled layer seams (compiled at the
-        first such pack)."""
-        return self._model[0].runtime.fused
+        """Whether packs of engine/fused.py's MIN_TOKENS tokens or more run compiled code, compiled at the first such
+        pack: the layer seams, or int8's passes around each product (engine/quantize.py)."""
+        return self._model[0].runtime.fused or bool(getattr(self._model[0], "quantize", None))
 
     def resolve_prompt(self, prompt: str | None, prompt_name: str | None) -> str | None:
         """As encode() resolves it: `prompt`, else the model's prompt named `prompt_name`, else the model's
