@@ -91,10 +91,11 @@ def test_version_and_help_without_torch():
 
 def test_library_names_still_import():
     import st_fastbackend
-    from st_fastbackend import SentenceTransformer, UnsupportedModelError
+    from st_fastbackend import Chunking, CrossEncoder, SentenceTransformer, UnsupportedModelError
 
     assert SentenceTransformer.__module__ == "st_fastbackend.models.sentence_transformer"
+    assert CrossEncoder.__module__ == "st_fastbackend.models.cross_encoder" and Chunking.__name__ == "Chunking"
     assert issubclass(UnsupportedModelError, Exception)
-    assert set(st_fastbackend.__all__) == {"SentenceTransformer", "UnsupportedModelError"}
+    assert set(st_fastbackend.__all__) == {"SentenceTransformer", "CrossEncoder", "Chunking", "UnsupportedModelError"}
     with pytest.raises(AttributeError):
         st_fastbackend.nothing  # noqa: B018
