@@ -29,7 +29,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "eval"))
-from quality import RetrievalTask, _jsonl, read_tsv  # noqa: E402
+from quality import RetrievalTask, _jsonl, ndcg10, read_tsv  # noqa: E402
 
 DATA_DIR = Path(os.environ.get("ST_FASTBACKEND_DATA_DIR", REPO.parent / "shared" / "data"))
 TASK = RetrievalTask("scifact", "test", ("SciFact", "test"))
@@ -50,20 +50,6 @@ def load_scifact(data_dir: Path, sample: int | None):
         drawn = set(random.Random(0).sample(others, max(0, sample - len(judged))))
         corpus = [d for i, d in enumerate(corpus) if d["_id"] in judged or i in drawn]
     return qrels, queries, corpus
-
-
-def ndcg10(qrels, queries, corpus, scores: torch.Tensor) -> float:
-    """scores [queries, documents]; BEIR's evaluation (MTEB's) drops a document whose id equals the query id."""
-    import pytrec_eval
-
-    top = scores.topk(min(1000, scores.shape[1]), dim=1)
-    run = {}
-    for query, values, indices in zip(queries, top.values.tolist(), top.indices.tolist(), strict=True):
-        run[query["_id"]] = {
-            corpus[i]["_id"]: v for v, i in zip(values, indices, strict=True) if corpus[i]["_id"] != query["_id"]
-        }
-    per_query = pytrec_eval.RelevanceEvaluator(qrels, {"ndcg_cut.10"}).evaluate(run)
-    return float(np.mean([m["ndcg_cut_10"] for m in per_query.values()]))
 
 
 def run_modes(model, queries: np.ndarray, docs: list[str], window: int, batch_size: int):

@@ -99,8 +99,6 @@ class Peer:
 
 
 def retrieval_ndcg10(model, task: RetrievalTask, data_dir: Path, batch_size: int = 32) -> float:
-    import pytrec_eval
-
     folder = data_dir / task.folder
     qrels: dict[str, dict[str, int]] = {}
     for r in read_tsv(folder / "qrels" / f"{task.split}.tsv"):
@@ -110,11 +108,16 @@ def retrieval_ndcg10(model, task: RetrievalTask, data_dir: Path, batch_size: int
     docs = [(d["title"] + " " + d["text"]).strip() for d in corpus]
     q = model.encode_query([x["text"] for x in queries], batch_size=batch_size, normalize_embeddings=True)
     d = model.encode_document(docs, batch_size=batch_size, normalize_embeddings=True)
-    scores = torch.from_numpy(q) @ torch.from_numpy(d).T  # cosine: both sides are unit-norm
-    top = scores.topk(min(1000, len(docs)), dim=1)
+    return ndcg10(qrels, queries, corpus, torch.from_numpy(q) @ torch.from_numpy(d).T)  # cosine: unit-norm sides
+
+
+def ndcg10(qrels, queries, corpus, scores: torch.Tensor) -> float:
+    """scores [queries, documents]; BEIR's evaluation (MTEB's) drops a document whose id equals the query id."""
+    import pytrec_eval
+
+    top = scores.topk(min(1000, scores.shape[1]), dim=1)
     run = {}
     for query, values, indices in zip(queries, top.values.tolist(), top.indices.tolist(), strict=True):
-        # BEIR's evaluation, which MTEB used, drops a document whose id equals the query id.
         run[query["_id"]] = {
             corpus[i]["_id"]: v for v, i in zip(values, indices, strict=True) if corpus[i]["_id"] != query["_id"]
         }
