@@ -20,6 +20,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from st_fastbackend.engine.spec import UnsupportedModelError
 from st_fastbackend.models.fast import FastModel
+from st_fastbackend.models.host_rows import HostRows
 from st_fastbackend.modules.files import resolve_folder
 from st_fastbackend.modules.options import without_hub_kwargs
 from st_fastbackend.modules.scoring import PackedLogitScore, PackedScoringTransformer, check_pairs
@@ -105,21 +106,18 @@ class CrossEncoder(FastModel, sentence_transformers.CrossEncoder):
         """predict()'s inner loop on packed pairs (models/fast.py packed_runs); scores in the caller's order."""
         if kwargs.pop("processing_kwargs", None):
             raise UnsupportedModelError("processing_kwargs in predict()")
-        self.check_inputs(inputs)  # before sorting, so an error names the caller's index
-        device = self._resolve_inference_device(device)
-        max_tokens = self._max_tokens_for(device, max_tokens_per_batch)
+        device, max_tokens = self._inference_start(inputs, device, max_tokens_per_batch)
         transformer, num_labels = self[0], self.num_labels
 
         def tokenize(chunk: list, positions: range) -> list[list[int]]:
             return transformer.encode_pairs(chunk, prompt, first_index=positions.start)
 
         scores: list = [None] * len(inputs)
+        landing = HostRows(scores)  # the scores stay on the model's device
         runs = self.packed_runs(inputs, tokenize, prompt=prompt, device=device, batch_size=batch_size,
                                 max_tokens=max_tokens, show_progress_bar=show_progress_bar, **kwargs)  # fmt: skip
         for positions, out in runs:
-            rows = _scores(out["scores"], activation_fn, num_labels, apply_softmax)
-            for position, row in zip(positions, rows, strict=True):
-                scores[position] = row
+            landing.add(positions, _scores(out["scores"], activation_fn, num_labels, apply_softmax))
         return torch.stack(scores) if scores else torch.tensor([], device=device)
 
 

@@ -80,6 +80,15 @@ class FastModel:
         """Each input one this class takes (texts; a CrossEncoder: pairs of texts), else an error naming its index."""
         check_texts(inputs)
 
+    def _inference_start(self, inputs: list, device, max_tokens_per_batch: int | None) -> tuple[torch.device, int]:
+        """What every packed call checks and settles first, in this order: each input (an error names the caller's
+        index, before anything is sorted), the budget asked (before the device is resolved, which may move the
+        model), then the device and the budget there."""
+        self.check_inputs(inputs)
+        check_budget(max_tokens_per_batch)
+        device = self._resolve_inference_device(device)
+        return device, self._max_tokens_for(device, max_tokens_per_batch)
+
     def _multi_process(self, inputs, *args, **kwargs):
         """A multi-process pool: bad input is named by the caller's index, before the inputs are split into chunks."""
         if self.backend == "fast":

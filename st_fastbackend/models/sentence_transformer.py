@@ -19,9 +19,9 @@ from torch import Tensor
 from st_fastbackend.engine.spec import UnsupportedModelError
 from st_fastbackend.models.chunked import aggregate, chunk_vectors, pipeline_normalizes
 from st_fastbackend.models.chunking import Chunking, Chunks
-from st_fastbackend.models.fast import FastModel, check_budget
+from st_fastbackend.models.fast import FastModel
 from st_fastbackend.models.host_rows import HostRows
-from st_fastbackend.modules import PackedPooling, PackedTransformer, check_texts
+from st_fastbackend.modules import PackedPooling, PackedTransformer
 
 OUTPUT_VALUES = ("sentence_embedding", "token_embeddings", None)
 
@@ -79,10 +79,7 @@ class SentenceTransformer(FastModel, sentence_transformers.SentenceTransformer):
         """encode()'s inner loop on packed batches (models/fast.py packed_runs); results in the caller's order."""
         if output_value not in OUTPUT_VALUES:
             raise ValueError(f"output_value must be one of {OUTPUT_VALUES}, got {output_value!r}.")
-        check_texts(inputs)  # before sorting, so an error names the caller's index
-        check_budget(max_tokens_per_batch)  # before the device is resolved, which may move the model
-        device = self._resolve_inference_device(device)
-        max_tokens = self._max_tokens_for(device, max_tokens_per_batch)
+        device, max_tokens = self._inference_start(inputs, device, max_tokens_per_batch)
         if chunking is not None:
             run = {"device": device, "batch_size": batch_size, "max_tokens": max_tokens,
                    "show_progress_bar": show_progress_bar, **kwargs}  # fmt: skip
@@ -120,10 +117,9 @@ class SentenceTransformer(FastModel, sentence_transformers.SentenceTransformer):
         if self.backend != "fast":
             raise UnsupportedModelError('encode_chunks() (it needs backend="fast")')
         chunking = chunking or Chunking(aggregate=None)
-        check_texts(inputs)
-        device = self._resolve_inference_device(device)
+        device, max_tokens = self._inference_start(inputs, device, max_tokens_per_batch)
         run = {"device": device, "batch_size": batch_size, "show_progress_bar": show_progress_bar,
-               "max_tokens": self._max_tokens_for(device, max_tokens_per_batch)}  # fmt: skip
+               "max_tokens": max_tokens}  # fmt: skip
         truncate_dim = truncate_dim if truncate_dim is not None else self.truncate_dim
         rows = _chunk_rows(truncate_dim, normalize_embeddings)
         prompt = self._resolve_prompt(prompt, prompt_name)
