@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from st_fastbackend.engine.runtime import is_device_failure
+
 logger = logging.getLogger(__name__)
 MIN_TOKENS = 512  # the smallest pack the compiled seams run for
 
@@ -122,7 +124,6 @@ def _compiled() -> SimpleNamespace:
 # [T, 28672] at ~75k tokens) would compile the seam once more. The seams work row by row (a row: one token), so
 # a pack that large runs as several calls, each under it: the same numbers, one compiled variant.
 MAX_ELEMENTS = torch.iinfo(torch.int32).max
-DEVICE_ERRORS = (torch.OutOfMemoryError, getattr(torch, "AcceleratorError", torch.OutOfMemoryError))
 
 
 class _Timed:
@@ -182,7 +183,7 @@ def _device_error(error: BaseException | None) -> BaseException | None:
     """Out of memory or a device error, raised as it is or inside a compiler's error (Inductor wraps what
     fails while it compiles or benchmarks)."""
     while error is not None:
-        if isinstance(error, DEVICE_ERRORS):
+        if isinstance(error, torch.OutOfMemoryError) or is_device_failure(error):
             return error
         error = error.__cause__ or error.__context__
     return None

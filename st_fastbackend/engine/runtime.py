@@ -160,3 +160,11 @@ def resolve_dtype(
         dtype = torch.bfloat16 if device_type != "cuda" or torch.cuda.is_bf16_supported() else torch.float32
         logger.warning(f"{why}. The checkpoint's float16 becomes {dtype}; pass dtype=torch.float16 to insist.")
     return dtype
+
+
+def is_device_failure(error: BaseException) -> bool:
+    """A CUDA error (an illegal address, a device-side assert) poisons the process's CUDA context: every later
+    call fails too. PyTorch >= 2.8 raises torch.AcceleratorError for it, older releases a RuntimeError whose
+    message says "CUDA error". Running out of memory is neither (torch.OutOfMemoryError; the schedule backs off)."""
+    accelerator_error = getattr(torch, "AcceleratorError", ())
+    return isinstance(error, accelerator_error) or (isinstance(error, RuntimeError) and "CUDA error" in str(error))

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from st_fastbackend.embedder import Embedder
+from st_fastbackend.engine.runtime import is_device_failure
 from st_fastbackend.engine.schedule import Schedule
 from st_fastbackend.serve.memory import release_memory
 from st_fastbackend.serve.metrics import Metrics
@@ -41,14 +42,6 @@ class DeviceFailed(ShuttingDown):
 
 class ClientLeft(RuntimeError):
     """The request's client disconnected while it was being embedded: its remaining packs were skipped."""
-
-
-def is_device_failure(error: BaseException) -> bool:
-    """A CUDA error (an illegal address, a device-side assert) poisons the process's CUDA context: every later
-    call fails too. PyTorch >= 2.8 raises torch.AcceleratorError for it, older releases a RuntimeError whose
-    message says "CUDA error". Running out of memory is neither (torch.OutOfMemoryError; the schedule backs off)."""
-    accelerator_error = getattr(torch, "AcceleratorError", ())
-    return isinstance(error, accelerator_error) or (isinstance(error, RuntimeError) and "CUDA error" in str(error))
 
 
 @dataclass
