@@ -42,16 +42,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_hardening_connections  # noqa: E402
+from bench_hardening_connections import probe, rss_mib  # noqa: E402
 from bench_server import DEFAULT_DATA_DIR, sentences, start_server  # noqa: E402
 
 JSON_HEADER = {"Content-Type": "application/json"}
 PARTS = ("mixed", "oversized", "long_text", "attacks", "connections", "stalled")
 BAD = ('{"input": "caf\\ud800 au lait"}', '{"input": "fine", "prompt": "query\\udfff: "}', '{"input": [true, false]}')
-
-
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as status:
-        return next(int(line.split()[1]) / 1024 for line in status if line.startswith("VmRSS:"))
 
 
 async def mixed_load(url: str, texts: list[str], expected: np.ndarray, clients: int, seconds: float, bad: float):
@@ -119,7 +115,7 @@ def long_text_latency(url: str, texts: list[str], chars: int, parallel: int) -> 
             pool.submit(httpx.post, f"{url}/v1/embeddings", json={"input": long}, timeout=600) for _ in range(parallel)
         ]
         time.sleep(0.2)
-        during = _timed(lambda: httpx.post(f"{url}/v1/embeddings", json={"input": "one word"}, timeout=600))
+        during = probe(url, timeout=600)
         long_seconds = [f.result().elapsed.total_seconds() for f in futures]
     return {"chars": len(long), "parallel": parallel, "one_word_alone_s": alone, "one_word_during_s": during,
             "long_request_s": max(long_seconds)}  # fmt: skip
@@ -151,7 +147,7 @@ def with_probe(url: str, pid: int, body: dict) -> dict:
         start = time.perf_counter()
         attack = pool.submit(httpx.post, f"{url}/v1/embeddings", json=body, timeout=600)
         time.sleep(0.2)
-        probe_s = _timed(lambda: httpx.post(f"{url}/v1/embeddings", json={"input": "one word"}, timeout=600))
+        probe_s = probe(url, timeout=600)
         response = attack.result()
         attack_s = time.perf_counter() - start
         done.set()

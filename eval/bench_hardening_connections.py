@@ -30,9 +30,10 @@ def rss_mib(pid: int) -> float:
         return next(int(line.split()[1]) / 1024 for line in status if line.startswith("VmRSS:"))
 
 
-def probe(url: str) -> float:
+def probe(url: str, timeout: float = 60) -> float:
+    """Seconds for a one-word request, which must succeed."""
     start = time.perf_counter()
-    response = httpx.post(f"{url}/v1/embeddings", json={"input": "one word"}, timeout=60)
+    response = httpx.post(f"{url}/v1/embeddings", json={"input": "one word"}, timeout=timeout)
     assert response.status_code == 200, response.text
     return time.perf_counter() - start
 
