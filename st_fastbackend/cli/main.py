@@ -1,7 +1,8 @@
 """`st-fastbackend` command line: `encode` texts (one per line) into .npy, .parquet or .jsonl, `serve` them
-over HTTP, `embed-corpus` a whole corpus into parquet shards, or `rerank` documents against a query with a
-cross-encoder. One module per subcommand (cli/encode.py, cli/serve.py, cli/embed_corpus.py, cli/rerank.py)
-and cli/options.py for what they share.
+over HTTP, `embed-corpus` a whole corpus into parquet shards, `rerank` documents against a query with a
+cross-encoder, or `check` a model against plain sentence-transformers. One module per subcommand
+(cli/encode.py, cli/serve.py, cli/embed_corpus.py, cli/rerank.py, cli/check.py) and cli/options.py for what
+they share.
 
 torch, numpy and the model are imported inside the commands: `--help` and `--version` answer at once.
 """
@@ -12,6 +13,7 @@ import argparse
 import sys
 
 from st_fastbackend import __version__
+from st_fastbackend.cli.check import add_check, check
 from st_fastbackend.cli.embed_corpus import add_embed_corpus, embed_corpus
 from st_fastbackend.cli.encode import add_encode, encode
 from st_fastbackend.cli.files import CliError
@@ -28,7 +30,8 @@ DESCRIPTION = (
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
-        {"encode": encode, "serve": serve, "embed-corpus": embed_corpus, "rerank": rerank}[args.command](args)
+        commands = {"encode": encode, "serve": serve, "embed-corpus": embed_corpus, "rerank": rerank, "check": check}
+        commands[args.command](args)
     except CliError as error:
         if args.debug:
             raise
@@ -57,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_embed_corpus(commands, defaults)
     add_rerank(commands.add_parser("rerank", parents=[common], formatter_class=defaults,
                                    help="score documents, one per line, against a query (cross-encoder)"))  # fmt: skip
+    add_check(commands.add_parser("check", parents=[common], formatter_class=defaults,
+                                  help="compare the fast backend with plain sentence-transformers"))  # fmt: skip
     return parser
 
 

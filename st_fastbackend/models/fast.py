@@ -42,11 +42,20 @@ class FastModel:
                 f'backend="fast" needs sentence-transformers >= 6.2 (its inference loop is what we replace); '
                 f"found {sentence_transformers.__version__}."
             )
+        asked = kwargs
         if backend == "fast":
             kwargs = _load_on_device(kwargs)
         super().__init__(*args, backend=backend, **kwargs)
         if backend == "fast":
             self._check_fast_pipeline(list(self._modules.values()))
+            self.loaded_with = (args, asked)  # what check() loads plain sentence-transformers with
+
+    def check(self, texts: list | None = None):
+        """This model against plain sentence-transformers on probe texts (or `texts`): a CheckReport
+        (models/check.py) whose str() is the table `st-fastbackend check` prints."""
+        from st_fastbackend.models.check import check
+
+        return check(self, texts)
 
     def _check_fast_pipeline(self, modules: list) -> None:
         """The packed engine must be the first module; a class adds what may follow it."""
