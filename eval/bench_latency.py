@@ -18,7 +18,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from bench import DEFAULT_DATA_DIR, int8_systems, run_case, seam_systems, workloads
+from bench import workloads
+from harness.measure import encode_rounds as run_case
+from harness.models import int8_systems, seam_systems
+from harness.options import DATA_DIR as DEFAULT_DATA_DIR
 
 
 class OneThread:

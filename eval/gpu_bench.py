@@ -29,7 +29,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from bench import PROMPTS, Without, flops, gemm_ceiling, sync
+from bench import PROMPTS
+from harness.measure import flops, gemm_ceiling, sync
+from harness.models import switched as Without
 from sentence_transformers import SentenceTransformer as PlainSentenceTransformer
 from sentence_transformers.sentence_transformer.modules import Normalize, Pooling
 from transformers import AutoTokenizer, MistralConfig, MistralModel

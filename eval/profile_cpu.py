@@ -18,7 +18,10 @@ import time
 from pathlib import Path
 
 import torch
-from bench import DEFAULT_DATA_DIR, run_case, seam_systems, workloads
+from bench import workloads
+from harness.measure import encode_rounds as run_case
+from harness.models import seam_systems
+from harness.options import DATA_DIR as DEFAULT_DATA_DIR
 from torch.profiler import ProfilerActivity, profile
 
 GROUPS = ("matrix products", "attention", "compiled seams", "other operators", "outside operators")

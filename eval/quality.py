@@ -89,7 +89,7 @@ class Peer:
         self.system, self.python, self.model, self.data_dir = system, python, model, data_dir
 
     def encode(self, texts: list[str], batch_size: int = 32, normalize_embeddings: bool = True) -> np.ndarray:
-        from bench import run_peer
+        from harness.models import run_peer
 
         out = run_peer(self.system, self.python, self.model, "fp32", texts, batch_size, 0, self.data_dir)
         embeddings = out["embeddings"]

@@ -1,0 +1,146 @@
+"""Measuring side by side: alternating timed rounds (plain, fast, plain, fast, ...), peak memory, a GEMM
+ceiling and a model's FLOPs."""
+
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+@dataclass
+class Rounds:
+    """The seconds of each system's timed calls, and what its last call returned."""
+
+    seconds: dict[str, list[float]] = field(default_factory=dict)
+    last: dict = field(default_factory=dict)
+
+    def median(self, name: str) -> float:
+        return statistics.median(self.seconds[name])
+
+    def ratio(self, name: str, base: str = "plain") -> float:
+        """How many times faster `name` is than `base`, median against median."""
+        return self.median(base) / self.median(name)
+
+
+def alternate(calls: dict[str, Callable[[], object]], rounds: int, device: str = "cpu") -> Rounds:
+    """`rounds` rounds, each calling every system once in turn, so that a machine's slower minutes fall on all
+    of them alike rather than on whichever ran then."""
+    out = Rounds({name: [] for name in calls})
+    for _ in range(rounds):
+        for name, call in calls.items():
+            sync(device)
+            start = time.perf_counter()
+            out.last[name] = call()
+            sync(device)
+            out.seconds[name].append(time.perf_counter() - start)
+    return out
+
+
+def encode_rounds(
+    systems: dict, texts: list[str], batch_size: int, rounds: int, device: str, prompt: str | None = None
+) -> dict[str, dict]:
+    """Each system's embeddings and peak extra memory from an untimed call (after a warm-up call on one
+    batch), then alternating timed rounds of encode(): {name: {"embeddings", "peak_extra_bytes", "times"}}."""
+    import numpy as np
+
+    results: dict[str, dict] = {}
+    for name, model in systems.items():
+        model.encode(texts[:batch_size], batch_size=batch_size, prompt=prompt)
+        with PeakMemory(device) as memory:
+            embeddings = model.encode(texts, batch_size=batch_size, convert_to_numpy=True, prompt=prompt)
+        results[name] = {"embeddings": embeddings.astype(np.float32), "peak_extra_bytes": memory.extra}
+    calls = {
+        name: (lambda m=model: m.encode(texts, batch_size=batch_size, prompt=prompt))
+        for name, model in systems.items()
+    }
+    for name, seconds in alternate(calls, rounds, device).seconds.items():
+        results[name]["times"] = seconds
+    return results
+
+
+def rss_bytes(pid: int | str = "self") -> int:
+    """A process's resident set size (this one's by default)."""
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_mib(pid: int | str = "self") -> float:
+    return rss_bytes(pid) / 2**20
+
+
+class PeakMemory:
+    """Peak resident memory above the level at start, sampled every millisecond (CUDA: the allocator's peak)."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+
+    def __enter__(self) -> PeakMemory:
+        gc.collect()
+        if self.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+            return self
+        self.base = self.peak = rss_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, rss_bytes())
+
+    def __exit__(self, *exc) -> None:
+        if self.device.startswith("cuda"):
+            import torch
+
+            self.extra = torch.cuda.max_memory_allocated() - self.base
+            return
+        self._stop.set()
+        self._thread.join()
+        self.extra = max(self.peak, rss_bytes()) - self.base
+
+
+def gemm_ceiling(dtype, device: str, n: int = 2048, repeats: int = 5) -> float:
+    """GFLOP/s of one large matrix product, the best of a few runs; on a CPU the better of PyTorch's
+    default product and oneDNN's on a prepacked weight (what the fast backend uses)."""
+    import torch
+
+    from st_fastbackend.engine.onednn import onednn_dtypes
+
+    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
+    products = [lambda: a @ b]
+    if device == "cpu" and dtype in onednn_dtypes():  # oneDNN refuses bf16 on CPUs without native bf16
+        packed = torch.ops.mkldnn._reorder_linear_weight(b, n)
+        products.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
+    best = float("inf")
+    for product in products:
+        product()
+        best = min(best, *alternate({"product": product}, repeats, device).seconds["product"])
+    return 2 * n**3 / best / 1e9
+
+
+def flops(model, token_ids: list[list[int]]) -> float:
+    """2 x non-embedding parameters per token, plus attention (QK^T and PV; half of it when causal)."""
+    engine = model[0].model
+    embedding = sum(p.numel() for name, p in engine.named_parameters() if "embed" in name)
+    params = sum(p.numel() for p in engine.parameters()) - embedding
+    spec = engine.spec
+    width = spec.num_heads * getattr(spec, "head_dim", spec.hidden_size // spec.num_heads)  # encoders: no head_dim
+    causal = 0.5 if getattr(spec, "causal", False) else 1.0  # windows not counted: an upper bound
+    attention = sum(4 * len(ids) ** 2 * width * spec.num_layers * causal for ids in token_ids)
+    return 2 * params * sum(len(ids) for ids in token_ids) + attention

@@ -1,0 +1,170 @@
+"""Models to measure: random weights in published shapes (all-MiniLM-L6-v2's tokenizer, for realistic English
+token counts) or the real all-MiniLM-L6-v2, and the systems compared on them: plain sentence-transformers, the
+fast backend, and the fast backend with one of its switches set for a call."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from pathlib import Path
+
+from harness.options import minilm_path
+
+CACHE = Path(tempfile.gettempdir()) / "st_fastbackend_bench"  # built once, reused by later runs
+# A small Mistral: hidden 512, 4 layers, 8 heads / 2 key-value heads, intermediate 1408.
+SMALL_MISTRAL = dict(
+    model_type="mistral", hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+    intermediate_size=1408, max_position_embeddings=4096, sliding_window=None,
+)  # fmt: skip
+# EmbeddingGemma-300m's and gte-modernbert-base's widths (their config.json), 6 of their 24 / 22 layers in their
+# pattern (5 sliding + 1 full; global, local, local): the per-layer work and so the speed ratio are the real
+# models'; the full depth only multiplies both sides' time on these 2-core machines.
+EMBEDDING_GEMMA_SHAPED = dict(
+    model_type="gemma3_text", hidden_size=768, intermediate_size=1152, num_hidden_layers=6, num_attention_heads=3,
+    num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
+    use_bidirectional_attention=True, max_position_embeddings=2048, hidden_activation="gelu_pytorch_tanh",
+    layer_types=["sliding_attention"] * 5 + ["full_attention"],
+)  # fmt: skip
+MODERNBERT_SHAPED = dict(
+    model_type="modernbert", hidden_size=768, intermediate_size=1152, num_hidden_layers=6, num_attention_heads=12,
+    local_attention=128, max_position_embeddings=8192,
+)  # fmt: skip
+
+
+def model_path(name: str) -> str:
+    """A sentence-transformers folder by name: "minilm" (real), "mistral", "embeddinggemma", "modernbert"."""
+    if name == "minilm":
+        return minilm_path()
+    if name == "mistral":
+        return str(shaped(CACHE / "small-mistral", SMALL_MISTRAL, "lasttoken", max_seq_length=2048))
+    if name == "embeddinggemma":  # EmbeddingGemma's Dense layers: 768 -> 3072 -> 768
+        return str(shaped(CACHE / "embeddinggemma-shaped", EMBEDDING_GEMMA_SHAPED, "mean", dense=(3072, 768)))
+    if name == "modernbert":
+        return str(shaped(CACHE / "modernbert-shaped", MODERNBERT_SHAPED, "cls"))
+    raise ValueError(f"Unknown model {name!r}")
+
+
+def random_weights(folder: Path, shape: dict, auto: str = "AutoModel", tokenizer=None, **config) -> Path:
+    """A Hugging Face folder: random weights (seed 0) of `shape` for transformers' `auto` class, and `tokenizer`
+    (default: all-MiniLM-L6-v2's); `config` adds to the config (num_labels=1, ...)."""
+    import torch
+    import transformers
+
+    tokenizer = tokenizer or transformers.AutoTokenizer.from_pretrained(minilm_path())
+    config = transformers.AutoConfig.for_model(vocab_size=tokenizer.vocab_size, pad_token_id=0, **shape, **config)
+    torch.manual_seed(0)
+    getattr(transformers, auto).from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def shaped(folder: Path, shape: dict, pooling: str, dense: tuple[int, ...] = (), max_seq_length: int | None = None):
+    """A sentence-transformers folder around random weights of `shape`: Transformer, Pooling, Dense layers (no
+    bias, no activation), Normalize. Built once."""
+    import torch
+    from sentence_transformers import SentenceTransformer as PlainSentenceTransformer
+    from sentence_transformers.base.modules import Transformer
+    from sentence_transformers.sentence_transformer.modules import Dense, Normalize, Pooling
+
+    if (folder / "modules.json").is_file():
+        return folder
+    hf = random_weights(folder / "hf", shape)
+    transformer = Transformer(str(hf), max_seq_length=max_seq_length or shape["max_position_embeddings"])
+    modules, width = [transformer, Pooling(shape["hidden_size"], pooling)], shape["hidden_size"]
+    for size in dense:
+        modules.append(Dense(width, size, bias=False, activation_function=torch.nn.Identity()))
+        width = size
+    PlainSentenceTransformer(modules=[*modules, Normalize()], device="cpu").save(str(folder))
+    shutil.rmtree(hf)
+    return folder
+
+
+def plain_and_fast(path: str, kind: str = "SentenceTransformer", dtype=None, **kwargs) -> dict:
+    """{"plain": sentence-transformers' `kind`, "fast": st_fastbackend's with backend="fast"} on one folder, with
+    the same arguments (and model_kwargs={"dtype": dtype} where given)."""
+    import sentence_transformers
+
+    import st_fastbackend
+
+    if dtype is not None:
+        kwargs["model_kwargs"] = {"dtype": dtype}
+    return {"plain": getattr(sentence_transformers, kind)(path, **kwargs),
+            "fast": getattr(st_fastbackend, kind)(path, backend="fast", **kwargs)}  # fmt: skip
+
+
+class Around:
+    """A model whose encode() runs inside `context()`: a switch set for the call and put back after it."""
+
+    def __init__(self, model, context) -> None:
+        self.model, self.context = model, context
+
+    def encode(self, *args, **kwargs):
+        with self.context():
+            return self.model.encode(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def attribute(owner, name: str, value):
+    before = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, before)
+
+
+def switched(model, switch: str, value: bool = False) -> Around:
+    """The fast backend with one of its switches set for its calls (default: off): what that part saves.
+    "prompt_reuse" (on the model): the prompt run again for every text; "compiled_seams" (on its first
+    module): the layer seams eager, or with value=True compiled (engine/fused.py)."""
+    owner = model if switch == "prompt_reuse" else model[0]
+    return Around(model, lambda: attribute(owner, switch, value))
+
+
+def bf16_products(model) -> Around:
+    """Calls with PyTorch's setting for fp32 products in bf16 (torch.set_float32_matmul_precision("medium")):
+    beside fp32 systems in one run."""
+    import torch
+
+    return Around(model, lambda: attribute(torch.backends.mkldnn.matmul, "fp32_precision", "bf16"))
+
+
+def int8_systems(path: str, device: str) -> dict:
+    """The fast backend's other CPU precision levels of an fp32 model, for the fp32 rows: bf16 products, int8."""
+    from st_fastbackend import SentenceTransformer
+
+    def fast(**model_kwargs):
+        return SentenceTransformer(path, backend="fast", device=device, model_kwargs=model_kwargs)
+
+    return {"fast_bf16_products": bf16_products(fast()), "fast_int8": fast(quantize="int8")}
+
+
+def seam_systems(name: str) -> dict:
+    """The small Mistral (random weights) or MiniLM, by name, on the CPU in fp32: plain sentence-transformers,
+    the fast backend as it loads, and the fast backend with its layer seams compiled."""
+    systems = plain_and_fast(model_path(name), device="cpu")
+    return {**systems, "fast, compiled seams": switched(systems["fast"], "compiled_seams", True)}
+
+
+def run_peer(
+    system: str, python: str, model: str, dtype: str, texts: list[str], batch_size: int, rounds: int,
+    data_dir: Path | None = None,
+) -> dict:  # fmt: skip
+    """eval/peer.py under the peer's own Python: its embeddings and the seconds of its timed rounds."""
+    import json
+    import subprocess
+
+    import numpy as np
+
+    from harness.options import DATA_DIR, REPO
+
+    with tempfile.TemporaryDirectory() as work:
+        texts_file, out = Path(work) / "texts.json", Path(work) / "out.npz"
+        texts_file.write_text(json.dumps(texts))
+        command = [python, str(REPO / "eval" / "peer.py"), "--system", system, "--model", model, "--dtype", dtype,
+                   "--texts", str(texts_file), "--batch-size", str(batch_size), "--rounds", str(rounds),
+                   "--out", str(out), "--data-dir", str(data_dir or DATA_DIR)]  # fmt: skip
+        subprocess.run(command, check=True)
+        result = np.load(out)
+        return {"embeddings": result["embeddings"], "times": result["seconds"].tolist(), "peak_extra_bytes": None}
