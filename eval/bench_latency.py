@@ -12,55 +12,45 @@ thread for the call (torch.set_num_threads(1), put back after): what the thread 
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import statistics
-from pathlib import Path
 
 import numpy as np
 import torch
-from bench import workloads
-from harness.measure import encode_rounds as run_case
-from harness.models import int8_systems, seam_systems
-from harness.options import DATA_DIR as DEFAULT_DATA_DIR
+from harness import data, measure, models, options
 
 
-class OneThread:
-    """A model whose calls run with one intra-op thread."""
-
-    def __init__(self, model) -> None:
-        self.model = model
-
-    def encode(self, *args, **kwargs):
-        before = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            return self.model.encode(*args, **kwargs)
-        finally:
-            torch.set_num_threads(before)
+@contextlib.contextmanager
+def one_thread():
+    """One intra-op thread for the call."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def main() -> None:
-
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR)
+    parser = options.parser(__doc__, "data_dir")
     parser.add_argument("--models", nargs="+", default=["minilm", "mistral"], choices=["minilm", "mistral"])
     parser.add_argument("--sizes", nargs="+", type=int, default=[1, 32], help="texts per call")
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--int8", action="store_true", help="also the fast backend with quantize='int8'")
     parser.add_argument("--one-thread", action="store_true", help="also plain and fast with one thread per call")
     args = parser.parse_args()
-    sentences = workloads(args.data_dir)["sts"]
+    sentences = data.sts_sentences(args.data_dir)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32; STS-B test sentences")
     for name in args.models:
-        systems = seam_systems(name)
+        systems = models.seam_systems(name)
         if args.int8:
-            systems["fast, int8"] = int8_systems(systems["fast"][0].folder.as_posix(), "cpu")["fast_int8"]
+            systems["fast, int8"] = models.int8_systems(systems["fast"][0].folder.as_posix(), "cpu")["fast_int8"]
         if args.one_thread:
-            systems.update({f"{system}, 1 thread": OneThread(systems[system]) for system in ("plain", "fast")})
+            systems.update({f"{s}, 1 thread": models.Around(systems[s], one_thread) for s in ("plain", "fast")})
         for size in args.sizes:
             texts = sentences[:size]
             tokens = sum(map(len, systems["fast"][0].texts.encode(texts)))
-            results = run_case(systems, texts, len(texts), args.calls, "cpu")  # calls alternating, after warm-ups
+            results = measure.encode_rounds(systems, texts, len(texts), args.calls, "cpu")  # calls alternating
             times = {system: [seconds * 1e3 for seconds in result["times"]] for system, result in results.items()}
             plain = statistics.median(times["plain"])
             cells = [f"{system} {statistics.median(ms):.2f} ms (p90 {np.percentile(ms, 90):.2f}, "

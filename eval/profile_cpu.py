@@ -12,16 +12,11 @@ it removes from the last four groups and by faster products; the table says how 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
-from bench import workloads
-from harness.measure import encode_rounds as run_case
-from harness.models import seam_systems
-from harness.options import DATA_DIR as DEFAULT_DATA_DIR
+from harness import data, measure, models, options
 from torch.profiler import ProfilerActivity, profile
 
 GROUPS = ("matrix products", "attention", "compiled seams", "other operators", "outside operators")
@@ -57,25 +52,22 @@ def profiled(model, texts: list[str], batch_size: int) -> dict[str, float]:
 
 
 def main() -> None:
-
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR)
+    parser = options.parser(__doc__, "data_dir", "batch_size")
     parser.add_argument("--models", nargs="+", default=["mistral", "minilm"], choices=["mistral", "minilm"])
     parser.add_argument("--workload", default="paragraphs", choices=["paragraphs", "sts"])
     parser.add_argument("--texts", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=32)
     args = parser.parse_args()
-    texts = workloads(args.data_dir)[args.workload][: args.texts]
+    texts = {"paragraphs": data.paragraphs, "sts": data.sts_sentences}[args.workload](args.data_dir)[: args.texts]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {len(texts)} {args.workload}, fp32")
     for name in args.models:
-        systems = seam_systems(name)
+        systems = models.seam_systems(name)
         table = {system: profiled(model, texts, args.batch_size) for system, model in systems.items()}
         print(f"\n{name}: seconds (share of wall) per group, one encode() under the profiler")
         print(f"{'group':<20}" + "".join(f"{system:>24}" for system in systems))
         for row in (*GROUPS, "wall"):
             cells = [f"{table[s][row]:8.2f} ({table[s][row] / table[s]['wall']:4.0%})" for s in systems]
             print(f"{row:<20}" + "".join(f"{cell:>24}" for cell in cells))
-        rounds = run_case(systems, texts, args.batch_size, 3, "cpu")
+        rounds = measure.encode_rounds(systems, texts, args.batch_size, 3, "cpu")
         unprofiled = {system: statistics.median(result["times"]) for system, result in rounds.items()}
         print("without the profiler (median of 3, alternating): " + ", ".join(
             f"{system} {seconds:.2f} s ({unprofiled['plain'] / seconds:.2f}x plain)"
