@@ -23,6 +23,26 @@ class Embedder:
         self.max_seq_length: int = model.max_seq_length
         self.normalizes: bool = any(isinstance(module, Normalize) for module in model)
         self.device: torch.device = model.device
+        self.prompts: dict[str, str] = dict(model.prompts)
+        # What text-embeddings-inference's /embed_all returns per token: a key of serve/batcher.py's PACK_OUTPUTS
+        # (another model kind names its own), with so many values per token.
+        self.token_output: str = "token_embeddings"
+        self.token_dimension: int = model[0].get_embedding_dimension()
+
+    def describe(self) -> dict:
+        """What runs: device, the weights' dtype, pooling, the attention kernel, the products' dtype, int8 or not."""
+        transformer = self._model[0]
+        runtime = transformer.runtime
+        pooling = next((module.pooling_mode for module in self._model if hasattr(module, "pooling_mode")), None)
+        return {
+            "device": str(self.device),
+            "dtype": str(runtime.dtype).removeprefix("torch."),
+            "pooling": pooling,
+            "attention_kernel": runtime.kernel,
+            "product_dtype": str(transformer.product_dtype).removeprefix("torch."),
+            "quantize": transformer.quantize,
+            "runtime": str(runtime),
+        }
 
     def compiles_seams(self) -> bool:
         """Whether packs of engine/fused.py's MIN_TOKENS tokens or more run compiled code, compiled at the first such

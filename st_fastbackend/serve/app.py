@@ -1,5 +1,6 @@
-"""The server: OpenAI's /v1/embeddings over a fast model, assembled from the guard (keys, body limits), the
-endpoints, errors in OpenAI's shape, the request tokenizer and the batching worker."""
+"""The server: OpenAI's /v1/embeddings over a fast model, with text-embeddings-inference's and Cohere's routes
+beside it, assembled from the guard (keys, body limits), the endpoints, errors in each dialect's shape, the request
+tokenizer and the batching worker."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from fastapi import FastAPI
 
 from st_fastbackend.embedder import Embedder
 from st_fastbackend.engine.fused import MIN_TOKENS
+from st_fastbackend.serve import cohere, tei
 from st_fastbackend.serve.batcher import PACK_SECONDS, Batcher, Job
 from st_fastbackend.serve.errors import ErrorResponses, add_error_handlers
 from st_fastbackend.serve.guard import Guard
@@ -18,6 +20,12 @@ from st_fastbackend.serve.metrics import Metrics
 from st_fastbackend.serve.rerank import Reranker, is_cross_encoder, rerank_routes
 from st_fastbackend.serve.routes import Served, routes
 from st_fastbackend.serve.tokens import RequestTokenizer
+
+# An embedding model's routers, and the error shape of each dialect's paths (OpenAI's on every other path).
+EMBEDDING_DIALECTS = (
+    [routes, tei.tei_routes, cohere.cohere_routes],
+    {**dict.fromkeys(tei.PATHS, tei.tei_shape), **dict.fromkeys(cohere.PATHS, cohere.cohere_shape)},
+)
 
 
 def create_app(
@@ -34,21 +42,25 @@ def create_app(
 ) -> FastAPI:
     """`model`: a SentenceTransformer loaded with backend="fast". After a device failure (serve/batcher.py)
     every request is a 503 and /health says unhealthy; `app.state.batcher.on_failure` is then called, from
-    the worker's thread (the CLI stops the server with it). A CrossEncoder is served on /v1/rerank and /rerank
+    the worker's thread (the CLI stops the server with it). An embedding model is also served on TEI's routes
+    (serve/tei.py) and Cohere's /v2/embed (serve/cohere.py); a CrossEncoder on /v1/rerank and /rerank
     (serve/rerank.py)."""
-    adapter = Reranker if is_cross_encoder(model) else Embedder
+    cross_encoder = is_cross_encoder(model)
+    adapter = Reranker if cross_encoder else Embedder
     limits, metrics, embedder = limits or Limits(), Metrics(), adapter(model)
     batcher = Batcher(embedder, max_tokens_per_batch, max_batch_size, metrics, dynamic_batching,
                       pack_seconds=pack_seconds)  # fmt: skip
     tokenizer = RequestTokenizer(embedder, max_input_tokens)
     served = Served(embedder, served_model_name, tokenizer, batcher, limits, max_batch_size, metrics)
     app = FastAPI(title="st_fastbackend", lifespan=_lifespan(served))
-    fail = ErrorResponses(metrics.errors)
+    dialects, shapes = ([rerank_routes], {}) if cross_encoder else EMBEDDING_DIALECTS
+    fail = ErrorResponses(metrics.errors, shapes)
     public = {"/health", "/metrics"} if public_metrics else {"/health"}
     app.add_middleware(Guard, fail=fail, api_key=api_key, public_paths=public, max_body_bytes=limits.max_body_bytes,
                        body_timeout=limits.body_timeout)  # fmt: skip
     add_error_handlers(app, fail)
-    app.include_router((rerank_routes if is_cross_encoder(model) else routes)(served))  # a cross-encoder: rerank
+    for dialect in dialects:
+        app.include_router(dialect(served))
     app.state.batcher, app.state.metrics = batcher, metrics
     return app
 

@@ -51,6 +51,7 @@ class Job:
     future: Future = field(default_factory=Future)  # cancelled: the client left, the job is dropped
     queued_at: float = field(default_factory=time.perf_counter)
     left: bool = False  # set by the endpoint when its client disconnects: the packs still to run are skipped
+    output: str = "sentence_embedding"  # what each sequence's row is: a key of PACK_OUTPUTS
 
 
 @dataclass(eq=False)
@@ -94,6 +95,20 @@ def fill_pack(group: list[Running], max_texts: int, max_tokens: int) -> list[tup
         if running.todo:
             turns.append(running)
     return picked
+
+
+def _sentence_rows(out: dict) -> list[torch.Tensor]:
+    return list(out["sentence_embedding"].float().cpu())  # B x [dim]
+
+
+def _token_rows(out: dict) -> list[torch.Tensor]:
+    # [T, H] -> B x [len_i, H]; without the tokens of a prompt computed once, as encode() returns them
+    return list(out["token_embeddings"].float().cpu().split(list(out["packed"].lengths)))
+
+
+# A pack's rows, one per sequence, for each output a job may ask for (a model kind may add its own). Jobs asking
+# for different outputs share packs: the forward pass is the same.
+PACK_OUTPUTS = {"sentence_embedding": _sentence_rows, "token_embeddings": _token_rows}
 
 
 class Batcher:
@@ -253,13 +268,14 @@ class Batcher:
         start = time.perf_counter()
         with torch.inference_mode():
             for picked, out in schedule.run(ids):
-                embeddings = out["sentence_embedding"].float().cpu()
+                asked = {items[k][0].job.output for k in picked}
+                rows = {output: PACK_OUTPUTS[output](out) for output in asked}
                 seconds, tokens = time.perf_counter() - start, sum(len(ids[k]) for k in picked)
                 self.metrics.compute.observe(seconds)
                 self.metrics.batch_tokens.observe(tokens)
                 self.metrics.batch_texts.observe(len(picked))
                 self._measure(seconds / tokens)
-                for k, row in zip(picked, embeddings, strict=True):
+                for position, k in enumerate(picked):
                     running, index = items[k]
-                    running.rows[index] = (row, len(ids[k]))
+                    running.rows[index] = (rows[running.job.output][position], len(ids[k]))
                 start = time.perf_counter()

@@ -1,6 +1,9 @@
-"""Errors in OpenAI's shape, {"error": {"message", "type", "param", "code"}}, each counted in /metrics."""
+"""Errors in OpenAI's shape, {"error": {"message", "type", "param", "code"}}, or in the shape of the dialect a path
+belongs to (serve/tei.py, serve/cohere.py), each counted in /metrics."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,16 +23,25 @@ def server_error(error: BaseException) -> ApiError:
     return ApiError(500, f"The server failed on this request ({type(error).__name__}).", type="server_error")
 
 
+# An error as a dialect answers it: (status, JSON body).
+Shape = Callable[[ApiError], tuple[int, dict]]
+
+
+def openai_shape(error: ApiError) -> tuple[int, dict]:
+    return error.status, {"error": {"message": error.message, "type": error.type, "param": None, "code": error.code}}
+
+
 class ErrorResponses:
-    """Builds error responses and counts them by code (or type) in `embedding_errors_total`."""
+    """Builds error responses, in the shape of the request's path (`shapes`; OpenAI's for any other), and counts
+    them by code (or type) in `embedding_errors_total`."""
 
-    def __init__(self, total: Counter):
-        self.total = total
+    def __init__(self, total: Counter, shapes: dict[str, Shape] | None = None):
+        self.total, self.shapes = total, shapes or {}
 
-    def __call__(self, error: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
+    def __call__(self, error: ApiError, headers: dict[str, str] | None = None, path: str = "") -> JSONResponse:
         self.total.labels(type=error.code or error.type).inc()
-        body = {"error": {"message": error.message, "type": error.type, "param": None, "code": error.code}}
-        return JSONResponse(body, status_code=error.status, headers=headers)
+        status, body = self.shapes.get(path, openai_shape)(error)
+        return JSONResponse(body, status_code=status, headers=headers)
 
 
 def unparsable_body(cause: BaseException | None) -> str | None:
@@ -47,25 +59,26 @@ def unparsable_body(cause: BaseException | None) -> str | None:
 def add_error_handlers(app: FastAPI, fail: ErrorResponses) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        path = request.url.path
         if any(e["type"] == "json_invalid" for e in exc.errors()):
-            return fail(ApiError(400, "The request body is not valid JSON."))
+            return fail(ApiError(400, "The request body is not valid JSON.", code="invalid_json"), path=path)
         details = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        return fail(ApiError(400, f"Invalid request: {details}"))
+        return fail(ApiError(400, f"Invalid request: {details}"), path=path)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         """Starlette's own: an unknown path (404), a method the path does not take (405, with Allow); FastAPI's
         400 for a body json.loads fails on with more than a JSON syntax error."""
         if (reason := unparsable_body(exc.__cause__)) is not None:
-            return fail(ApiError(400, reason, code="invalid_body"))
+            return fail(ApiError(400, reason, code="invalid_body"), path=request.url.path)
         what = {404: "Invalid URL", 405: "Method not allowed"}.get(exc.status_code, exc.detail)
         error = ApiError(exc.status_code, f"{what} ({request.method} {request.url.path}).", code=None)
-        return fail(error, headers=exc.headers)
+        return fail(error, headers=exc.headers, path=request.url.path)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return fail(exc)
+        return fail(exc, path=request.url.path)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        return fail(server_error(exc))
+        return fail(server_error(exc), path=request.url.path)

@@ -38,18 +38,19 @@ class Guard:
         headers = Headers(scope=scope)
         if self.key is not None and scope["path"] not in self.public_paths and not self._authorized(headers):
             error = ApiError(401, "Missing or wrong API key.", "authentication_error", "invalid_api_key")
-            return await self.fail(error)(scope, receive, send)
+            return await self.fail(error, path=scope["path"])(scope, receive, send)
         if headers.get("content-encoding", "identity").lower() != "identity":
             message = f"Content-Encoding {headers['content-encoding']!r} is not supported; send the body uncompressed."
-            return await self.fail(ApiError(415, message, code="unsupported_content_encoding"))(scope, receive, send)
+            error = ApiError(415, message, code="unsupported_content_encoding")
+            return await self.fail(error, path=scope["path"])(scope, receive, send)
         try:
             body = await asyncio.wait_for(self._read_body(headers, receive), self.body_timeout)
         except ApiError as error:
-            return await self.fail(error)(scope, receive, send)
+            return await self.fail(error, path=scope["path"])(scope, receive, send)
         except asyncio.TimeoutError:  # not TimeoutError before Python 3.11
             message = f"The request body did not arrive within {self.body_timeout:g} s."
             error = ApiError(408, message, code="body_timeout")
-            return await self.fail(error, headers={"connection": "close"})(scope, receive, send)
+            return await self.fail(error, headers={"connection": "close"}, path=scope["path"])(scope, receive, send)
         if body is not None:  # None: the client left
             await self.app(scope, _replay(body, receive), send)
 

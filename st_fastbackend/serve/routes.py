@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from st_fastbackend.embedder import Embedder
+from st_fastbackend.models.chunking import Chunking
 from st_fastbackend.serve import chunked
 from st_fastbackend.serve.batcher import Batcher, Job, ShuttingDown
 from st_fastbackend.serve.errors import ApiError, server_error
@@ -75,25 +76,52 @@ def routes(served: Served) -> APIRouter:
 
 async def _embed(served: Served, body: EmbeddingRequest, request: Request) -> list | None:
     """(embedding, token count) per input, or None when the client left first."""
-    if body.model is not None and body.model != served.name:
-        raise ApiError(404, f"The model {body.model!r} does not exist; this server serves {served.name!r}.",
+    check_model(served, body.model)
+    check_dimensions(served, body.dimensions)
+    prompt = resolve_prompt(served.embedder, body.prompt, body.prompt_name)
+    chunking = chunked.parse(body.chunking) if body.chunking is not None else None
+    return await embed_inputs(served, body.input, request, prompt=prompt, truncate=body.truncate, chunking=chunking)
+
+
+def check_model(served: Served, model: str | None) -> None:
+    if model is not None and model != served.name:
+        raise ApiError(404, f"The model {model!r} does not exist; this server serves {served.name!r}.",
                        code="model_not_found")  # fmt: skip
-    texts, token_ids = request_inputs(body.input, served.max_batch_size, served.limits.max_request_chars, body.prompt)
-    if body.dimensions is not None and body.dimensions > served.embedder.dimension:
-        raise ApiError(400, f"dimensions={body.dimensions} exceeds the model's {served.embedder.dimension}.")
-    prompt = _prompt(served.embedder, body)
+
+
+def check_dimensions(served: Served, dimensions: int | None, field: str = "dimensions") -> None:
+    if dimensions is not None and dimensions > served.embedder.dimension:
+        raise ApiError(400, f"{field}={dimensions} exceeds the model's {served.embedder.dimension}.")
+
+
+async def embed_inputs(
+    served: Served, value, request: Request, *, prompt: str | None, truncate: bool, keep_end: bool = False,
+    output: str = "sentence_embedding", chunking: Chunking | None = None, field: str = "input",
+    max_tokens: int | None = None,
+) -> list | None:  # fmt: skip
+    """What every dialect's embedding route runs: the request's inputs (texts or token ids) checked, tokenized
+    with `prompt`, through the worker; per input (its `output` row, its token count), or None when the client
+    left first. An input over the limit is cut (`truncate`; keeping its last tokens with `keep_end`), else 400.
+    `field`: the dialect's name for the inputs, in errors; `max_tokens`: the most tokens the request may hold
+    (413 past it)."""
+    limits = served.limits
+    texts, token_ids = request_inputs(value, served.max_batch_size, limits.max_request_chars, prompt, field)
     if prompt and token_ids is not None:
         raise ApiError(400, "prompt and prompt_name apply to text input, not to token ids.")
-    chunking = chunked.parse(body.chunking) if body.chunking is not None else None
     if chunking is not None and token_ids is not None:
         raise ApiError(400, "chunking applies to text input, not to token ids.")
     try:
         if chunking is None:
-            ids = await served.tokenizer(texts, token_ids, prompt, body.truncate)
-            return await _unless_client_left(served.batcher, Job(token_ids=ids, prompt=prompt), request)
+            ids = await served.tokenizer(texts, token_ids, prompt, truncate, keep_end=keep_end)
+            if max_tokens is not None and (tokens := sum(map(len, ids))) > max_tokens:
+                message = f"{tokens} tokens in one request; the limit for {output} is {max_tokens}."
+                raise ApiError(413, message, code="request_too_large")
+            return await _unless_client_left(served.batcher, Job(ids, prompt, output=output), request)
         ids, found = await chunked.chunk_plan(served.tokenizer, texts, prompt, chunking)
         rows = await _unless_client_left(served.batcher, Job(token_ids=ids, prompt=prompt), request)
         return None if rows is None else chunked.per_text(rows, found, chunking, served.embedder.normalizes)
+    except ApiError:
+        raise
     except InputError as error:
         raise ApiError(400, str(error)) from error
     except ShuttingDown as error:
@@ -125,9 +153,10 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-def _prompt(embedder: Embedder, body: EmbeddingRequest) -> str | None:
+def resolve_prompt(embedder: Embedder, prompt: str | None, prompt_name: str | None) -> str | None:
+    """As encode() resolves it (the model's default prompt without either); 400 for an unknown name."""
     try:
-        prompt = embedder.resolve_prompt(body.prompt, body.prompt_name)
+        prompt = embedder.resolve_prompt(prompt, prompt_name)
     except ValueError as error:
         raise ApiError(400, str(error)) from error
     if prompt:
@@ -154,8 +183,13 @@ def _response(rows: list, body: EmbeddingRequest, served_model_name: str, normal
 
 
 def _sized(row: torch.Tensor, body: EmbeddingRequest, normalizes: bool) -> torch.Tensor:
-    vector = row[: body.dimensions] if body.dimensions else row
-    return torch.nn.functional.normalize(vector, dim=0) if body.dimensions and normalizes else vector
+    return matryoshka(row, body.dimensions, normalizes)
+
+
+def matryoshka(row: torch.Tensor, dimensions: int | None, normalizes: bool) -> torch.Tensor:
+    """The first `dimensions` values, unit length again where the model's own output is."""
+    vector = row[:dimensions] if dimensions else row
+    return torch.nn.functional.normalize(vector, dim=0) if dimensions and normalizes else vector
 
 
 def _encode(vector: torch.Tensor, encoding_format: str) -> np.ndarray | str:

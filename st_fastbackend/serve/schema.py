@@ -30,24 +30,25 @@ class EmbeddingRequest(BaseModel):
 
 
 def request_inputs(
-    value, max_inputs: int, max_chars: int, prompt: str | None = None
+    value, max_inputs: int, max_chars: int, prompt: str | None = None, field: str = "input"
 ) -> tuple[list[str] | None, list[list[int]] | None]:
     """(texts, None) or (None, token id lists), after the checks that need no tokenizer. The request's
-    `prompt` counts towards `max_chars` with its inputs."""
+    `prompt` counts towards `max_chars` with its inputs; `field` is the dialect's name for the inputs."""
     if isinstance(value, str):
         value = [value]
     if not value:
-        raise ApiError(400, "input is empty.")
+        raise ApiError(400, f"{field} is empty.", code="empty_input")
     if len(value) > max_inputs:
-        raise ApiError(400, f"{len(value)} inputs in one request; the limit is {max_inputs}.")
+        message = f"{len(value)} inputs in one request; the limit is {max_inputs}."
+        raise ApiError(400, message, code="too_many_inputs")
     if isinstance(value[0], int):
         return None, [value]
     if isinstance(value[0], list):
         if any(not ids for ids in value):
-            raise ApiError(400, "input contains an empty list of token ids.")
+            raise ApiError(400, f"{field} contains an empty list of token ids.")
         return None, value
     if any(text == "" for text in value):
-        raise ApiError(400, "input contains an empty string.")
+        raise ApiError(400, f"{field} contains an empty string.")
     if (chars := sum(map(len, value)) + len(prompt or "")) > max_chars:
         message = f"{chars} characters of input and prompt in one request; the limit is {max_chars}."
         raise ApiError(413, message, code="request_too_large")

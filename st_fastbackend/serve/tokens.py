@@ -11,11 +11,15 @@ state and must not run in two threads at once. What one request may cost it is b
 from __future__ import annotations
 
 import asyncio
+import itertools
+import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from st_fastbackend.embedder import Embedder
 from st_fastbackend.modules.tokenizer import NoTokensError, clip_text, last_word_start
+
+_WORD = re.compile(r"(?<=\s)\S")  # where a word begins after whitespace
 
 # Characters tokenized per task. At the worst rate measured (a text of one WordPiece token per character,
 # ~3 us a character in all-MiniLM-L6-v2's tokenizer on the 2-core EPYC) a chunk takes under 0.1 s.
@@ -45,21 +49,27 @@ class RequestTokenizer:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     async def __call__(
-        self, texts: list[str] | None, token_ids: list[list[int]] | None, prompt: str | None, truncate: bool
-    ) -> list[list[int]]:
+        self, texts: list[str] | None, token_ids: list[list[int]] | None, prompt: str | None, truncate: bool,
+        keep_end: bool = False,
+    ) -> list[list[int]]:  # fmt: skip
         """Token ids for texts (with the prompt), or the client's own ids checked; cut at the input limit
-        where `truncate`, else InputError for an input over it."""
+        where `truncate`, else InputError for an input over it. `keep_end`: a cut input keeps its special
+        tokens and the prompt, and the last of its own tokens that fit (text-embeddings-inference's
+        truncation_direction "Left", Cohere's truncate "START")."""
         loop = asyncio.get_running_loop()
         if token_ids is not None:
-            return await loop.run_in_executor(self.pool, self._checked, token_ids, truncate)
+            return await loop.run_in_executor(self.pool, self._checked, token_ids, truncate, keep_end)
         if prompt and len(prompt) > self.max_chars:  # never truncated: pooling and prefix use all its tokens
             raise InputError(f"The prompt has {len(prompt):,} characters; the limit is {self.max_chars:,}"
                              f" ({self._bound()}).")  # fmt: skip
         if prompt and (alone := await loop.run_in_executor(self.pool, self._prompt_alone, prompt, truncate)):
+            if keep_end:
+                raise InputError(f"The prompt alone has more than {self.limit} tokens: keeping the end of an input "
+                                 "leaves no room for it.")  # fmt: skip
             return [list(alone) for _ in texts]
         ids = []
         for first, chunk in self._chunks(texts, prompt):
-            ids += await loop.run_in_executor(self.pool, self._tokenized, chunk, prompt, truncate, first)
+            ids += await loop.run_in_executor(self.pool, self._tokenized, chunk, prompt, truncate, first, keep_end)
         return ids
 
     def close(self) -> None:
@@ -78,12 +88,12 @@ class RequestTokenizer:
             size += min(len(text), self.max_chars) + len(prompt or "")
         yield first, texts[first:]
 
-    def _checked(self, token_ids: list[list[int]], truncate: bool) -> list[list[int]]:
+    def _checked(self, token_ids: list[list[int]], truncate: bool, keep_end: bool = False) -> list[list[int]]:
         for index, seq in enumerate(token_ids):
             if not all(0 <= t < self.vocab_size for t in seq):
                 raise InputError(f"Input {index} has token ids outside the vocabulary (0 to {self.vocab_size - 1}).")
             self._check_length(index, seq, truncate)
-        return [seq[: self.limit] for seq in token_ids]
+        return [seq[-self.limit :] if keep_end else seq[: self.limit] for seq in token_ids]
 
     def _prompt_alone(self, prompt: str, truncate: bool) -> list[int] | None:
         """The token ids of every input when the prompt alone has more than the limit's tokens before its
@@ -95,17 +105,46 @@ class RequestTokenizer:
             raise InputError(f"The prompt alone has more than {self.limit} tokens and truncate is false.")
         return self._tokenize([before_last], None, self.limit)[0]
 
-    def _tokenized(self, texts: list[str], prompt: str | None, truncate: bool, first: int) -> list[list[int]]:
+    def _tokenized(
+        self, texts: list[str], prompt: str | None, truncate: bool, first: int, keep_end: bool = False
+    ) -> list[list[int]]:
         # One token past the limit tells "too long" apart from "exactly at the limit".
         over = self.limit + 1
-        texts = [self._clipped(first + i, text, prompt) for i, text in enumerate(texts)]
-        ids = self._tokenize(texts, prompt, over, first)
+        clipped = [self._clipped(first + i, text, prompt) for i, text in enumerate(texts)]
+        ids = self._tokenize(clipped, prompt, over, first)
         too_long = [i for i, seq in enumerate(ids) if self._check_length(first + i, seq, truncate)]
-        if too_long:  # tokenized again at the limit: special tokens at the end stay, as in encode()
-            again = self._tokenize([texts[i] for i in too_long], prompt, self.limit, first)
+        if too_long and keep_end:
+            for i in too_long:
+                ids[i] = self._end_kept(first + i, texts[i], prompt)
+        elif too_long:  # tokenized again at the limit: special tokens at the end stay, as in encode()
+            again = self._tokenize([clipped[i] for i in too_long], prompt, self.limit, first)
             for i, seq in zip(too_long, again, strict=True):
                 ids[i] = seq
         return ids
+
+    def _end_kept(self, index: int, text: str, prompt: str | None) -> list[int]:
+        """An over-long input cut from its start: its special tokens and the prompt, then the last of its own
+        tokens that fit. Without a prompt these are the ids of Hugging Face's truncation_side="left". Of a text
+        over max_chars characters, only the end is read, from a word on: the tokens after that word are the
+        whole text's, as every tokenizer here splits words at whitespace."""
+        start, stable = 0, 0
+        if len(text) > self.max_chars:
+            words = list(itertools.islice(_WORD.finditer(text, len(text) - self.max_chars), 2))
+            if len(words) < 2:
+                raise InputError(f"Input {index} ({len(text):,} characters): no word begins in its last "
+                                 f"{self.max_chars:,} characters to cut it at ({self._bound()}).")  # fmt: skip
+            start = words[0].start()  # the first word may be a part of one; it is read but not kept
+            stable = words[1].start() - start
+        try:
+            document = self.embedder.texts.document(text[start:], prompt)
+        except ValueError as error:
+            raise InputError(f"Input {index}: {error}") from error
+        room = self.limit - len(document.head) - len(document.tail)
+        first_kept = next((i for i, (a, _) in enumerate(document.spans) if a >= stable), len(document.ids))
+        if room < 1 or len(document.ids) - first_kept < room:
+            raise InputError(f"Input {index} cannot keep its last {max(room, 0)} tokens within the last "
+                             f"{self.max_chars:,} characters it is read in ({self._bound()}).")  # fmt: skip
+        return document.head + document.ids[len(document.ids) - room :] + document.tail
 
     def _clipped(self, index: int, text: str, prompt: str | None) -> str:
         """The text, or a prefix of it with the same first `limit` tokens; InputError if none is found in
