@@ -13,28 +13,26 @@ if TYPE_CHECKING:
     from st_fastbackend.models import SentenceTransformer
     from st_fastbackend.models.chunking import Chunking
     from st_fastbackend.models.cross_encoder import CrossEncoder
+    from st_fastbackend.models.sparse_encoder import SparseEncoder
 
-__all__ = ["Chunking", "CrossEncoder", "SentenceTransformer", "UnsupportedModelError"]
+__all__ = ["Chunking", "CrossEncoder", "SentenceTransformer", "SparseEncoder", "UnsupportedModelError"]
 __version__ = "0.1.0"
 
 
+# Imported on first use: torch, transformers and sentence-transformers take seconds to import, and
+# `st-fastbackend --help` or `--version` need none of them.
+_HOMES = {
+    "SentenceTransformer": "st_fastbackend.models.sentence_transformer",
+    "CrossEncoder": "st_fastbackend.models.cross_encoder",
+    "SparseEncoder": "st_fastbackend.models.sparse_encoder",
+    "Chunking": "st_fastbackend.models.chunking",
+    "UnsupportedModelError": "st_fastbackend.engine.spec",
+}
+
+
 def __getattr__(name: str):
-    # Imported on first use: torch, transformers and sentence-transformers take seconds to import, and
-    # `st-fastbackend --help` or `--version` need none of them.
-    if name == "SentenceTransformer":
-        from st_fastbackend.models import SentenceTransformer
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
 
-        return SentenceTransformer
-    if name == "CrossEncoder":
-        from st_fastbackend.models.cross_encoder import CrossEncoder
-
-        return CrossEncoder
-    if name == "Chunking":
-        from st_fastbackend.models.chunking import Chunking
-
-        return Chunking
-    if name == "UnsupportedModelError":
-        from st_fastbackend.engine.spec import UnsupportedModelError
-
-        return UnsupportedModelError
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)

@@ -90,6 +90,16 @@ def load_weights(
     return sorted(state)
 
 
+def read_tensors(folder: Path, names: set[str], device: torch.device, dtype: torch.dtype) -> dict[str, Tensor]:
+    """The checkpoint's tensors of these names (as it names them) that it has, read onto `device` in `dtype`."""
+    found = {}
+    for file, name in _tensor_names(folder):
+        if name in names:
+            with safe_open(file, framework="pt", device=str(device)) as f:
+                found[name] = f.get_tensor(name).to(dtype)
+    return found
+
+
 def _tensor_names(folder: Path) -> list[tuple[Path, str]]:
     names = []
     for file in checkpoint_files(folder):

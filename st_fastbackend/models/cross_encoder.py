@@ -16,13 +16,12 @@ import sentence_transformers
 import torch
 from sentence_transformers.base.modules import Transformer
 from sentence_transformers.cross_encoder.modules import LogitScore
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 from st_fastbackend.engine.spec import UnsupportedModelError
-from st_fastbackend.models.fast import FastModel
+from st_fastbackend.models.fast import FastModel, default_module_kwargs
 from st_fastbackend.models.host_rows import HostRows
-from st_fastbackend.modules.files import resolve_folder
-from st_fastbackend.modules.options import without_hub_kwargs
+from st_fastbackend.modules.files import architectures
 from st_fastbackend.modules.scoring import PackedLogitScore, PackedScoringTransformer, check_pairs
 
 
@@ -54,11 +53,8 @@ class CrossEncoder(FastModel, sentence_transformers.CrossEncoder):
                 model_name_or_path, token, cache_folder, revision, trust_remote_code, local_files_only,
                 model_kwargs, processor_kwargs, config_kwargs,
             )  # fmt: skip
-        shared = {"token": token, "trust_remote_code": trust_remote_code, "revision": revision,
-                  "local_files_only": local_files_only, "cache_dir": cache_folder}  # fmt: skip
-        kwargs = dict(model_kwargs={**shared, **(model_kwargs or {})},
-                      processor_kwargs={**shared, **(processor_kwargs or {})},
-                      config_kwargs={**shared, **(config_kwargs or {})})  # fmt: skip
+        kwargs = default_module_kwargs(token, cache_folder, revision, trust_remote_code, local_files_only,
+                                       model_kwargs, processor_kwargs, config_kwargs)  # fmt: skip
         task = "text-generation" if _causal(model_name_or_path, kwargs["config_kwargs"]) else "sequence-classification"
         transformer = PackedScoringTransformer(model_name_or_path, transformer_task=task, **kwargs)
         if transformer.transformer_task == "sequence-classification":
@@ -136,6 +132,5 @@ def _scores(scores: torch.Tensor, activation_fn: Callable | None, num_labels: in
 
 def _causal(model_name_or_path: str, config_kwargs: dict[str, Any]) -> bool:
     """As plain sentence-transformers decides: the config's first architecture is a *ForCausalLM."""
-    folder = resolve_folder(model_name_or_path, **config_kwargs)
-    config = AutoConfig.from_pretrained(folder, **without_hub_kwargs(config_kwargs))
-    return bool(config.architectures) and config.architectures[0].endswith("ForCausalLM")
+    found = architectures(model_name_or_path, config_kwargs)
+    return bool(found) and found[0].endswith("ForCausalLM")

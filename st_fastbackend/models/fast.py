@@ -10,14 +10,16 @@ other backend it is exactly the sentence-transformers class.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar
 
 import sentence_transformers
 import torch
+from sentence_transformers.base.modules import Router
 from sentence_transformers.util import get_device_name
+from sentence_transformers.util.misc import import_from_string
 from tqdm.autonotebook import tqdm
 
 from st_fastbackend.engine.prefix import Prefix
@@ -45,6 +47,7 @@ class FastModel:
         asked = kwargs
         if backend == "fast":
             kwargs = _load_on_device(kwargs)
+            self._module_classes = _FastClasses(self.fast_modules)  # a Router's modules are swapped too
         super().__init__(*args, backend=backend, **kwargs)
         if backend == "fast":
             self._check_fast_pipeline(list(self._modules.values()))
@@ -63,10 +66,19 @@ class FastModel:
             first = type(modules[0]).__name__ if modules else "nothing"
             raise UnsupportedModelError(f"A pipeline starting with {first} (the fast backend replaces Transformer)")
 
+    @property
+    def packed_input(self) -> PackedTransformer:
+        """The module that tokenizes and packs: the first (a class with routes picks its own)."""
+        return self[0]
+
     def prompt_prefix(self, prompt: str | None) -> Prefix | None:
-        return self[0].prefix_for(prompt) if self.prompt_reuse and self.backend == "fast" else None
+        return self.packed_input.prefix_for(prompt) if self.prompt_reuse and self.backend == "fast" else None
 
     # -- loading and saving: sentence-transformers' module types outside, the packed ones inside --------
+
+    def saved_types(self) -> dict[type, type]:
+        """Our module class -> the sentence-transformers class modules.json names for it."""
+        return {ours: base for base, ours in self.fast_modules.items()}
 
     def _load_module_class_from_ref(self, class_ref: str, *args, **kwargs) -> type:
         module_class = super()._load_module_class_from_ref(class_ref, *args, **kwargs)
@@ -75,7 +87,7 @@ class FastModel:
     def save(self, path: str, *args, **kwargs) -> None:
         super().save(path, *args, **kwargs)
         if self.backend == "fast":
-            _rewrite_module_types(path, self.fast_modules)
+            _rewrite_module_types(path, self.saved_types())
 
     # -- inference ------------------------------------------------------------------------------
 
@@ -131,7 +143,7 @@ class FastModel:
         """One packed forward pass over token-id sequences (already tokenized with `prompt`, if any): every
         module's outputs. With `prefix`, the sequences are what follows that prompt computed once
         (engine/prefix.py)."""
-        features = self[0].pack(sequences, prompt, prefix)
+        features = self.packed_input.pack(sequences, prompt, prefix)
         features["packed"] = features["packed"].to(device or self.device, non_blocking=True)
         return self(features, **kwargs)
 
@@ -151,11 +163,24 @@ class FastModel:
         by the user, else a default for the device: fixed on CPUs, from free memory on GPUs."""
         if check_budget(asked) or self._max_tokens_per_batch is not None:
             return asked or self._max_tokens_per_batch
-        return default_max_tokens(self[0].config, next(self[0].parameters()).dtype, device)
+        packed = self.packed_input
+        return default_max_tokens(packed.config, next(packed.parameters()).dtype, device)
 
     def get_model_kwargs(self) -> list[str]:
         extra = ["max_tokens_per_batch"] if self.backend == "fast" else []
         return [*super().get_model_kwargs(), *extra]
+
+
+def default_module_kwargs(
+    token, cache_folder, revision, trust_remote_code, local_files_only, model_kwargs, processor_kwargs, config_kwargs
+) -> dict[str, dict]:
+    """A bare checkpoint's module kwargs as sentence-transformers' _load_default_modules builds them: the Hub's
+    arguments in each of model_kwargs, processor_kwargs and config_kwargs."""
+    shared = {"token": token, "trust_remote_code": trust_remote_code, "revision": revision,
+              "local_files_only": local_files_only, "cache_dir": cache_folder}  # fmt: skip
+    return {"model_kwargs": {**shared, **(model_kwargs or {})},
+            "processor_kwargs": {**shared, **(processor_kwargs or {})},
+            "config_kwargs": {**shared, **(config_kwargs or {})}}  # fmt: skip
 
 
 def check_budget(tokens: int | None) -> int | None:
@@ -190,13 +215,15 @@ def _load_on_device(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {**kwargs, "device": device, "model_kwargs": model_kwargs}
 
 
-def _rewrite_module_types(path: str, fast_modules: dict[type, type]) -> None:
-    """modules.json names sentence-transformers' own classes, and their folders are named as plain
-    sentence-transformers names them ("1_Pooling", not "1_PackedPooling")."""
-    canonical = {f"{cls.__module__}.{cls.__name__}": base for base, cls in fast_modules.items()}
+def _rewrite_module_types(path: str, saved_types: dict[type, type]) -> None:
+    """modules.json (and a Router's router_config.json) names sentence-transformers' own classes, and their
+    folders are named as plain sentence-transformers names them ("1_Pooling", not "1_PackedPooling")."""
+    canonical = {f"{ours.__module__}.{ours.__name__}": base for ours, base in saved_types.items()}
     modules_json = Path(path) / "modules.json"
     modules = json.loads(modules_json.read_text())
     for module in modules:
+        if (router := Path(path) / module["path"] / Router.config_file_name).is_file():
+            _rewrite_router_types(router, canonical)
         base = canonical.get(module["type"])
         if base is None:
             continue
@@ -206,3 +233,35 @@ def _rewrite_module_types(path: str, fast_modules: dict[type, type]) -> None:
             (Path(path) / module["path"]).rename(Path(path) / folder)
             module["path"] = folder
     modules_json.write_text(json.dumps(modules, indent=2))
+
+
+def _rewrite_router_types(router_json: Path, canonical: dict[str, type]) -> None:
+    """A Router's routes keep their folder names (they are its own keys); only the types change."""
+    config = json.loads(router_json.read_text())
+    for key, type_name in config["types"].items():
+        if (base := canonical.get(type_name)) is not None:
+            config["types"][key] = f"{base.__module__}.{base.__name__}"
+    router_json.write_text(json.dumps(config, indent=4))
+
+
+class _FastClasses(Mapping):
+    """sentence-transformers' `module_classes` (class reference -> class, which a Router reads for its routes):
+    a reference to a class the fast backend replaces gives ours."""
+
+    def __init__(self, fast_modules: dict[type, type]) -> None:
+        self.fast_modules = fast_modules
+
+    def __getitem__(self, class_ref: str) -> type:
+        try:
+            found = import_from_string(class_ref)
+        except (ImportError, AttributeError, ValueError):  # not importable here: sentence-transformers says why
+            raise KeyError(class_ref) from None
+        if found not in self.fast_modules:
+            raise KeyError(class_ref)
+        return self.fast_modules[found]
+
+    def __iter__(self) -> Iterator[str]:
+        return (f"{base.__module__}.{base.__name__}" for base in self.fast_modules)
+
+    def __len__(self) -> int:
+        return len(self.fast_modules)

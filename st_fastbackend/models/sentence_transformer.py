@@ -19,7 +19,7 @@ from torch import Tensor
 from st_fastbackend.engine.spec import UnsupportedModelError
 from st_fastbackend.models.chunked import aggregate, chunk_vectors, pipeline_normalizes
 from st_fastbackend.models.chunking import Chunking, Chunks
-from st_fastbackend.models.fast import FastModel
+from st_fastbackend.models.fast import FastModel, default_module_kwargs
 from st_fastbackend.models.host_rows import HostRows
 from st_fastbackend.modules import PackedPooling, PackedTransformer
 
@@ -46,14 +46,9 @@ class SentenceTransformer(FastModel, sentence_transformers.SentenceTransformer):
                 model_name_or_path, token, cache_folder, revision, trust_remote_code, local_files_only,
                 model_kwargs, processor_kwargs, config_kwargs,
             )  # fmt: skip
-        shared = {"token": token, "trust_remote_code": trust_remote_code, "revision": revision,
-                  "local_files_only": local_files_only, "cache_dir": cache_folder}  # fmt: skip
-        transformer = PackedTransformer(
-            model_name_or_path,
-            model_kwargs={**shared, **(model_kwargs or {})},
-            processor_kwargs={**shared, **(processor_kwargs or {})},
-            config_kwargs={**shared, **(config_kwargs or {})},
-        )
+        kwargs = default_module_kwargs(token, cache_folder, revision, trust_remote_code, local_files_only,
+                                       model_kwargs, processor_kwargs, config_kwargs)  # fmt: skip
+        transformer = PackedTransformer(model_name_or_path, **kwargs)
         architectures = transformer.config.architectures or [""]
         causal = architectures[0].endswith("ForCausalLM") and getattr(transformer.config, "is_causal", True)
         pooling = PackedPooling(transformer.get_embedding_dimension(), "lasttoken" if causal else "mean")

@@ -23,3 +23,14 @@ def resolve_folder(model_name_or_path: str, **hub_kwargs) -> Path:
             local_files_only=hub_kwargs.get("local_files_only", False),
         )
     )
+
+
+def architectures(model_name_or_path: str, config_kwargs: dict) -> list[str]:
+    """The `architectures` of the checkpoint's config.json (how sentence-transformers picks a bare checkpoint's
+    modules)."""
+    from transformers import AutoConfig
+
+    from st_fastbackend.modules.options import without_hub_kwargs
+
+    folder = resolve_folder(model_name_or_path, **config_kwargs)
+    return AutoConfig.from_pretrained(folder, **without_hub_kwargs(config_kwargs)).architectures or []

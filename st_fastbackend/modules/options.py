@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from sentence_transformers.base.modules.transformer import TRANSFORMER_TASK_DEFAULTS
 
 from st_fastbackend.engine.spec import UnsupportedModelError
 
@@ -47,6 +48,18 @@ def module_config(config: dict[str, Any]) -> dict[str, Any]:
     if unknown := set(config) - _INIT_KEYS:
         raise UnsupportedModelError(f"sentence_bert_config.json keys {sorted(unknown)}")
     return config
+
+
+def task_config(config: dict[str, Any], default_task: str) -> dict[str, Any]:
+    """sentence_bert_config.json of a Transformer with a transformer_task (a cross-encoder's, SPLADE's) -> its
+    task and our __init__ kwargs: the outputs sentence-transformers writes for that task are its defaults."""
+    task = config.pop("transformer_task", default_task)
+    modalities, output = TRANSFORMER_TASK_DEFAULTS.get(task, (None, None))
+    if config.get("module_output_name") == output:
+        config.pop("module_output_name")
+    if config.get("modality_config") == modalities:
+        config.pop("modality_config")
+    return {"transformer_task": task, **module_config(config)}
 
 
 def check_model_kwargs(model_kwargs: dict[str, Any]) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from sentence_transformers.base.modules import Transformer
+from sentence_transformers.base.modules.transformer import TRANSFORMER_TASK_DEFAULTS
 from sentence_transformers.cross_encoder.modules import LogitScore
 
 from st_fastbackend.engine.batch import PackedBatch
@@ -24,13 +25,10 @@ from st_fastbackend.engine.prefix import Prefix
 from st_fastbackend.engine.spec import UnsupportedModelError
 from st_fastbackend.engine.weights import CheckpointError, checkpoint_files, load_weights
 from st_fastbackend.modules.heads import build_head, last_tokens
-from st_fastbackend.modules.options import module_config
+from st_fastbackend.modules.options import task_config
 from st_fastbackend.modules.transformer import PackedTransformer
 
 TASKS = ("sequence-classification", "text-generation")
-# What plain sentence-transformers writes to sentence_bert_config.json for a cross-encoder's Transformer.
-_TASK_OUTPUTS = {"sequence-classification": "scores", "text-generation": "causal_logits"}
-_TASK_MODALITY_OUTPUTS = {"sequence-classification": "logits", "text-generation": "logits"}
 
 
 class TypedIds(list):
@@ -73,13 +71,7 @@ class PackedScoringTransformer(PackedTransformer):
     def load(cls, model_name_or_path: str, subfolder: str = "", **kwargs) -> PackedScoringTransformer:
         """sentence_bert_config.json as plain sentence-transformers saves a cross-encoder's Transformer."""
         init_kwargs = Transformer._load_init_kwargs(model_name_or_path, subfolder=subfolder, **kwargs)
-        task = init_kwargs.pop("transformer_task", "sequence-classification")
-        if init_kwargs.get("module_output_name") == _TASK_OUTPUTS.get(task):
-            init_kwargs.pop("module_output_name")
-        modalities = init_kwargs.get("modality_config")
-        if modalities == {"text": {"method": "forward", "method_output_name": _TASK_MODALITY_OUTPUTS.get(task)}}:
-            init_kwargs.pop("modality_config")
-        return cls(model_name_or_path, transformer_task=task, **module_config(init_kwargs))
+        return cls(model_name_or_path, **task_config(init_kwargs, "sequence-classification"))
 
     def lm_rows_for(self, token_ids: list[int]) -> None:
         """Keep only these rows of the LM head (tied: of the input embeddings), read from the checkpoint."""
@@ -97,7 +89,7 @@ class PackedScoringTransformer(PackedTransformer):
 
     def get_config_dict(self) -> dict[str, Any]:
         return {**super().get_config_dict(), "transformer_task": self.transformer_task,
-                "module_output_name": _TASK_OUTPUTS[self.transformer_task]}  # fmt: skip
+                "module_output_name": TRANSFORMER_TASK_DEFAULTS[self.transformer_task][1]}  # fmt: skip
 
     def encode_pairs(self, pairs: list, prompt: str | None, first_index: int = 0) -> list[list[int]]:
         """Token ids of each (first, second) pair as plain sentence-transformers tokenizes a batch of them:

@@ -1,0 +1,161 @@
+"""`SparseEncoder` with `backend="fast"`: the same class, the packed engine inside.
+
+With backend "torch", "onnx" or "openvino" this is exactly sentence-transformers' class. With "fast":
+- SPLADE (a fill-mask Transformer, or the legacy MLMTransformer, then SpladePooling): PackedMaskedLM and
+  PackedSpladePooling (modules/splade.py), the vocabulary projection fused with the pooling;
+- CSR (a Transformer, Pooling, then SparseAutoEncoder): PackedTransformer and PackedPooling, the autoencoder as
+  it is on each pack's [B, dim];
+- inference-free SPLADE (a Router whose query route is a SparseStaticEmbedding): the document route as above,
+  the query route sentence-transformers' own (a lookup per token: queries never touch a transformer).
+encode(), encode_query() and encode_document() are the parent's; their inner loop is the packed one of
+models/fast.py.
+"""
+
+from __future__ import annotations
+
+import sentence_transformers
+import torch
+from sentence_transformers.base.modules import Router, Transformer
+from sentence_transformers.sentence_transformer.modules import Pooling
+from sentence_transformers.sparse_encoder.modules import MLMTransformer, SparseAutoEncoder, SpladePooling
+from sentence_transformers.util import select_max_active_dims
+from torch import Tensor
+
+from st_fastbackend.engine.spec import UnsupportedModelError
+from st_fastbackend.models.fast import FastModel, default_module_kwargs
+from st_fastbackend.modules import PackedPooling, PackedTransformer
+from st_fastbackend.modules.files import architectures
+from st_fastbackend.modules.options import task_config
+from st_fastbackend.modules.splade import PackedMaskedLM, PackedSpladePooling
+
+
+class PackedSparseInput(PackedTransformer):
+    """What a SparseEncoder's Transformer becomes: a fill-mask one SPLADE's PackedMaskedLM, any other task
+    the plain PackedTransformer (CSR)."""
+
+    @classmethod
+    def load(cls, model_name_or_path: str, subfolder: str = "", **kwargs) -> PackedTransformer:
+        init_kwargs = Transformer._load_init_kwargs(model_name_or_path, subfolder=subfolder, **kwargs)
+        config = task_config(init_kwargs, "feature-extraction")
+        if config["transformer_task"] == "fill-mask":
+            return PackedMaskedLM(model_name_or_path, **config)
+        if (task := config.pop("transformer_task")) != "feature-extraction":
+            raise UnsupportedModelError(f"A SparseEncoder Transformer with transformer_task={task!r}")
+        return PackedTransformer(model_name_or_path, **config)
+
+
+class SparseEncoder(FastModel, sentence_transformers.SparseEncoder):
+    fast_modules = {Transformer: PackedSparseInput, MLMTransformer: PackedMaskedLM, Pooling: PackedPooling,
+                    SpladePooling: PackedSpladePooling}  # fmt: skip
+    prompt_reuse = False  # engine/prefix.py is for causal decoders; SPLADE and CSR sit on encoders
+
+    def saved_types(self) -> dict[type, type]:
+        return {PackedMaskedLM: Transformer, PackedTransformer: Transformer, PackedPooling: Pooling,
+                PackedSpladePooling: SpladePooling}  # fmt: skip
+
+    def _check_fast_pipeline(self, modules: list) -> None:
+        if len(modules) == 1 and isinstance(modules[0], Router):
+            routes = modules[0].sub_modules
+            packed = [route for route in routes.values() if isinstance(route[0], PackedTransformer)]
+            if not packed:
+                raise UnsupportedModelError("A Router without a Transformer route")
+            for route in packed:
+                self._check_route(list(route))
+            return
+        super()._check_fast_pipeline(modules)
+        self._check_route(modules)
+
+    def _check_route(self, modules: list) -> None:
+        first, rest = modules[0], [type(m) for m in modules[1:]]
+        if isinstance(first, PackedMaskedLM) and rest == [PackedSpladePooling]:
+            return
+        csr = rest[:1] == [PackedPooling] and set(rest[1:]) <= {SparseAutoEncoder}
+        if not isinstance(first, PackedMaskedLM) and csr:
+            return
+        after = ", ".join(cls.__name__ for cls in rest) or "nothing"
+        raise UnsupportedModelError(f"A SparseEncoder pipeline of {type(first).__name__} followed by {after}")
+
+    def _load_default_modules(
+        self, model_name_or_path: str, token, cache_folder, revision=None, trust_remote_code=False,
+        local_files_only=False, model_kwargs=None, processor_kwargs=None, config_kwargs=None,
+    ) -> tuple[list, dict]:  # fmt: skip
+        """A bare Hugging Face checkpoint, as plain sentence-transformers builds it: a *ForMaskedLM as a fill-mask
+        Transformer with max SpladePooling. (Any other it gives an untrained SparseAutoEncoder: refused.)"""
+        if self.backend != "fast":
+            return super()._load_default_modules(
+                model_name_or_path, token, cache_folder, revision, trust_remote_code, local_files_only,
+                model_kwargs, processor_kwargs, config_kwargs,
+            )  # fmt: skip
+        kwargs = default_module_kwargs(token, cache_folder, revision, trust_remote_code, local_files_only,
+                                       model_kwargs, processor_kwargs, config_kwargs)  # fmt: skip
+        found = architectures(model_name_or_path, kwargs["config_kwargs"])
+        if not any(name.endswith("ForMaskedLM") for name in found):
+            raise UnsupportedModelError("A bare checkpoint that is not a *ForMaskedLM as a SparseEncoder (sentence-"
+                                        "transformers puts an untrained SparseAutoEncoder on it)")  # fmt: skip
+        return [PackedMaskedLM(model_name_or_path, **kwargs), PackedSpladePooling(pooling_strategy="max")], {}
+
+    @property
+    def packed_input(self) -> PackedTransformer:
+        """A Router's Transformer route (inference-free SPLADE: its document side)."""
+        if isinstance(self[0], Router):
+            return next(r[0] for r in self[0].sub_modules.values() if isinstance(r[0], PackedTransformer))
+        return self[0]
+
+    def _route(self, task: str | None) -> list:
+        if not isinstance(self[0], Router):
+            return list(self._modules.values())
+        return list(self[0].sub_modules[self[0]._resolve_route(task=task, modality="text")])
+
+    @torch.inference_mode()
+    def _packed_inference(
+        self,
+        inputs: list,
+        *,
+        prompt: str | None,
+        batch_size: int,
+        show_progress_bar: bool,
+        convert_to_sparse_tensor: bool,
+        save_to_cpu: bool,
+        max_active_dims: int | None,
+        device: str | torch.device | None = None,
+        max_tokens_per_batch: int | None = None,
+        **kwargs,
+    ) -> Tensor:
+        """encode()'s inner loop on packed batches (models/fast.py packed_runs); rows in the caller's order, each as
+        the parent makes them (top max_active_dims kept, sparse, on the CPU as asked)."""
+        if kwargs.pop("processing_kwargs", None):
+            raise UnsupportedModelError("processing_kwargs in encode()")
+        route = self._route(kwargs.get("task"))
+        if not isinstance(route[0], PackedTransformer):  # a SparseStaticEmbedding: sentence-transformers' own
+            return sentence_transformers.SparseEncoder._inference(
+                self, inputs, prompt=prompt, batch_size=batch_size, show_progress_bar=show_progress_bar,
+                convert_to_sparse_tensor=convert_to_sparse_tensor, save_to_cpu=save_to_cpu,
+                max_active_dims=max_active_dims, device=device, **kwargs,
+            )  # fmt: skip
+        device, max_tokens = self._inference_start(inputs, device, max_tokens_per_batch)
+        texts = route[0].texts
+        if prompt:  # measured (and cached) now: the tokenizer must not run in two threads at once
+            texts.prompt_length(prompt)
+
+        def tokenize(chunk: list[str], positions: range) -> list[list[int]]:
+            return texts.encode(chunk, prompt, first_index=positions.start)
+
+        if max_active_dims is not None:
+            kwargs["max_active_dims"] = max_active_dims  # SparseAutoEncoder's k
+        rows: list = [None] * len(inputs)
+        runs = self.packed_runs(inputs, tokenize, prompt=prompt, device=device, batch_size=batch_size,
+                                max_tokens=max_tokens, show_progress_bar=show_progress_bar, **kwargs)  # fmt: skip
+        for positions, out in runs:
+            embeddings = out["sentence_embedding"]
+            if max_active_dims is not None:
+                embeddings = select_max_active_dims(embeddings, max_active_dims=max_active_dims)
+            if convert_to_sparse_tensor:
+                embeddings = embeddings.to_sparse()
+            if save_to_cpu:
+                embeddings = embeddings.cpu()
+            for position, row in zip(positions, embeddings, strict=True):
+                rows[position] = row
+        if rows:
+            return torch.stack(rows)
+        empty = torch.tensor([], device="cpu" if save_to_cpu else device)
+        return empty.to_sparse() if convert_to_sparse_tensor else empty
