@@ -106,8 +106,10 @@ def test_check_of_your_texts_from_a_file(st_model, cross_encoder, tmp_path, caps
 
 
 @pytest.mark.skipif(torch.bfloat16 not in onednn_dtypes() and DEVICE == "cpu", reason="bf16 products need AVX-512")
-def test_bf16_is_within_its_bound_not_exact(st_model, capsys):
-    main(["check", str(st_model("bert", pooling_mode="mean")), "--device", DEVICE, "--dtype", "bf16"])
+def test_bf16_is_within_its_bound_not_exact(st_model, tmp_path, capsys):
+    (tmp_path / "texts.txt").write_text("a short text\nanother text, longer than the first one\nthird\n")
+    main(["check", str(st_model("bert", pooling_mode="mean")), "--device", DEVICE, "--dtype", "bf16",
+          "--texts", str(tmp_path / "texts.txt")])  # fmt: skip
     out = capsys.readouterr().out
     assert out.startswith("WITHIN BOUND") and "3x plain sentence-transformers' own in bfloat16" in out
     assert "model in torch.bfloat16" in out
@@ -116,7 +118,8 @@ def test_bf16_is_within_its_bound_not_exact(st_model, capsys):
 @pytest.mark.skipif(not quantize.int8_supported() or DEVICE != "cpu", reason="int8 products need AVX512-VNNI")
 def test_int8_is_within_its_bound(st_model):
     folder = str(st_model("bert", pooling_mode="mean"))
-    report = SentenceTransformer(folder, backend="fast", device="cpu", model_kwargs={"quantize": "int8"}).check()
+    model = SentenceTransformer(folder, backend="fast", device="cpu", model_kwargs={"quantize": "int8"})
+    report = model.check(texts=["a short text", "another text, longer than the first one", "third"])
     assert report.passed and not report.exact and "Linear layers int8" in report.ran
     assert all(case.bound == INT8_ONE_MINUS_COS and case.max_diff > EXACT for case in report.cases)
     assert np.isfinite([case.measured for case in report.cases]).all()
