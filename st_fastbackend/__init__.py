@@ -13,9 +13,17 @@ if TYPE_CHECKING:
     from st_fastbackend.models import SentenceTransformer
     from st_fastbackend.models.chunking import Chunking
     from st_fastbackend.models.cross_encoder import CrossEncoder
+    from st_fastbackend.models.multi_vector_encoder import MultiVectorEncoder
     from st_fastbackend.models.sparse_encoder import SparseEncoder
 
-__all__ = ["Chunking", "CrossEncoder", "SentenceTransformer", "SparseEncoder", "UnsupportedModelError"]
+__all__ = [
+    "Chunking",
+    "CrossEncoder",
+    "MultiVectorEncoder",
+    "SentenceTransformer",
+    "SparseEncoder",
+    "UnsupportedModelError",
+]
 __version__ = "0.1.0"
 
 
@@ -25,6 +33,7 @@ _HOMES = {
     "SentenceTransformer": "st_fastbackend.models.sentence_transformer",
     "CrossEncoder": "st_fastbackend.models.cross_encoder",
     "SparseEncoder": "st_fastbackend.models.sparse_encoder",
+    "MultiVectorEncoder": "st_fastbackend.models.multi_vector_encoder",
     "Chunking": "st_fastbackend.models.chunking",
     "UnsupportedModelError": "st_fastbackend.engine.spec",
 }

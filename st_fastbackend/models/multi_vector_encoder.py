@@ -1,0 +1,84 @@
+"""`MultiVectorEncoder` with `backend="fast"`: the same class, the packed engine inside.
+
+With backend "torch", "onnx" or "openvino" this is exactly sentence-transformers' class. With "fast", the
+Transformer becomes PackedMultiVectorTransformer and MultiVectorMask PackedMultiVectorMask
+(modules/multi_vector.py); a token-level Dense and Normalize run on packed tokens as they are. encode(),
+encode_query() and encode_document() are the parent's; their inner loop is the packed one of models/fast.py, and
+each text's vectors are its packed rows the scoring mask keeps.
+"""
+
+from __future__ import annotations
+
+import sentence_transformers
+import torch
+from sentence_transformers.base.modules import Dense, Normalize, Transformer
+from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask
+from torch import Tensor
+
+from st_fastbackend.engine.spec import UnsupportedModelError
+from st_fastbackend.models.fast import FastModel
+from st_fastbackend.modules.multi_vector import PackedMultiVectorMask, PackedMultiVectorTransformer
+
+
+class MultiVectorEncoder(FastModel, sentence_transformers.MultiVectorEncoder):
+    fast_modules = {Transformer: PackedMultiVectorTransformer, MultiVectorMask: PackedMultiVectorMask}
+    prompt_reuse = False  # engine/prefix.py is for causal decoders, and a prompt's tokens are among the vectors
+
+    def _check_fast_pipeline(self, modules: list) -> None:
+        super()._check_fast_pipeline(modules)
+        for module in modules[1:]:
+            token_level = isinstance(module, (Dense, Normalize)) and module.module_input_name == "token_embeddings"
+            if not (token_level or isinstance(module, PackedMultiVectorMask)):
+                raise UnsupportedModelError(f"{type(module).__name__} in a MultiVectorEncoder pipeline")
+
+    def _load_default_modules(self, model_name_or_path: str, *args, **kwargs) -> tuple[list, dict]:
+        if self.backend == "fast":  # a bare checkpoint gets an untrained projection: nothing to be exact about
+            raise UnsupportedModelError("A bare checkpoint as a MultiVectorEncoder (it gets an untrained projection)")
+        return super()._load_default_modules(model_name_or_path, *args, **kwargs)
+
+    @torch.inference_mode()
+    def _packed_inference(
+        self,
+        inputs: list,
+        *,
+        prompt: str | None,
+        batch_size: int,
+        show_progress_bar: bool,
+        output_value: str | None,
+        save_to_cpu: bool,
+        normalize_embeddings: bool,
+        token_pooling,
+        task: str | None,
+        device: str | torch.device | None = None,
+        max_tokens_per_batch: int | None = None,
+        **kwargs,
+    ) -> list[Tensor]:
+        """encode()'s inner loop on packed batches (models/fast.py packed_runs); per text its [len_i, dim] scored
+        token vectors, in the caller's order."""
+        if output_value is None:
+            raise UnsupportedModelError("output_value=None (padded per-batch feature dicts) in MultiVectorEncoder")
+        if kwargs.pop("processing_kwargs", None):
+            raise UnsupportedModelError("processing_kwargs in encode()")
+        device, max_tokens = self._inference_start(inputs, device, max_tokens_per_batch)
+        transformer = self[0]
+
+        def tokenize(chunk: list[str], positions: range) -> list[list[int]]:
+            return transformer.encode_task(chunk, prompt, task, first_index=positions.start)
+
+        results: list = [None] * len(inputs)
+        runs = self.packed_runs(inputs, tokenize, prompt=prompt, device=device, batch_size=batch_size,
+                                max_tokens=max_tokens, show_progress_bar=show_progress_bar, task=task,
+                                **kwargs)  # fmt: skip
+        for positions, out in runs:
+            lengths = list(out["packed"].lengths)
+            pairs = zip(out["token_embeddings"].split(lengths), out["scoring_mask"].split(lengths), strict=True)
+            vectors = [tokens[mask] for tokens, mask in pairs]
+            if normalize_embeddings:
+                vectors = [torch.nn.functional.normalize(v, p=2, dim=-1) for v in vectors]
+            if token_pooling is not None:
+                vectors = token_pooling.pool(vectors, task=task)
+            if save_to_cpu:
+                vectors = [v.cpu() for v in vectors]
+            for position, v in zip(positions, vectors, strict=True):
+                results[position] = v
+        return results

@@ -1,0 +1,86 @@
+"""Late interaction (ColBERT) on the packed engine: the backbone with its per-task lengths and query expansion,
+and the scoring mask on packed tokens. The token-level Dense and Normalize of a MultiVectorEncoder work on packed
+tokens [T, dim] as they are.
+
+PackedMultiVectorTransformer stands in for sentence-transformers' Transformer with `query_length`,
+`document_length` and `query_expansion`: a query is cut at its length; with expansion, a query shorter than
+the expansion length gets expansion tokens (the tokenizer's mask token, else its EOS) up to it, which every
+token attends to (`attend=True`). Classic ColBERT's `attend=False` (expansion tokens that attend but are not
+attended to) is refused: the packed kernels take one key set per sequence.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from sentence_transformers.base.modules import Transformer
+from sentence_transformers.base.modules.transformer import _normalize_query_expansion
+from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask
+
+from st_fastbackend.engine.spec import UnsupportedModelError
+from st_fastbackend.modules.options import module_config
+from st_fastbackend.modules.transformer import PackedTransformer
+
+TASK_KEYS = ("query_length", "document_length", "query_expansion")
+
+
+class PackedMultiVectorTransformer(PackedTransformer):
+    def __init__(
+        self, model_name_or_path: str, *, query_length: int | None = None, document_length: int | None = None,
+        query_expansion: dict | None = None, **kwargs,
+    ) -> None:  # fmt: skip
+        super().__init__(model_name_or_path, **kwargs)
+        self.query_length, self.document_length = query_length, document_length
+        self.query_expansion = _normalize_query_expansion(query_expansion)
+        if self.query_expansion is not None and not self.query_expansion["attend"]:
+            raise UnsupportedModelError("query_expansion with attend=False (ColBERT's unattended expansion tokens)")
+        self.expansion_id = self._expansion_id()
+
+    @classmethod
+    def load(cls, model_name_or_path: str, subfolder: str = "", **kwargs) -> PackedMultiVectorTransformer:
+        init_kwargs = Transformer._load_init_kwargs(model_name_or_path, subfolder=subfolder, **kwargs)
+        tasks = {key: init_kwargs.pop(key, None) for key in TASK_KEYS}
+        return cls(model_name_or_path, **tasks, **module_config(init_kwargs))
+
+    def get_config_dict(self) -> dict[str, Any]:
+        return {**super().get_config_dict(), **{key: getattr(self, key) for key in TASK_KEYS}}
+
+    def _expansion_id(self) -> int | None:
+        """As sentence-transformers picks it: the configured token, else the mask token, else EOS."""
+        if self.query_expansion is None:
+            return None
+        if (token := self.query_expansion.get("token")) is not None:
+            return self.tokenizer.convert_tokens_to_ids(token)
+        mask = self.tokenizer.mask_token_id
+        return mask if mask is not None else self.tokenizer.eos_token_id
+
+    def encode_task(self, texts: list[str], prompt: str | None, task: str | None, first_index: int) -> list[list[int]]:
+        """Token ids as sentence-transformers' preprocess makes them for `task`: the task's length, and a query's
+        expansion tokens up to the expansion length."""
+        expansion = self.query_expansion if task == "query" else None
+        length = {"query": self.query_length, "document": self.document_length}.get(task)
+        if expansion is not None:
+            floor = expansion["length"]
+            length = floor if expansion["strategy"] == "fixed" else max(length or self.max_seq_length, floor)
+        sequences = self.texts.encode(texts, prompt, length, first_index)
+        if expansion is None or self.expansion_id is None:
+            return sequences
+        return [ids + [self.expansion_id] * (expansion["length"] - len(ids)) for ids in sequences]
+
+
+class PackedMultiVectorMask(MultiVectorMask):
+    """MultiVectorMask (same config and files) on packed tokens: features["scoring_mask"] [T] bool. Every packed
+    token is real or an expansion token (both scored for a query); the skiplist and the allowlist apply as the
+    parent applies them."""
+
+    def forward(self, features: dict[str, Any], task: str | None = None) -> dict[str, Any]:
+        input_ids = features["packed"].input_ids
+        mask = torch.ones_like(input_ids, dtype=torch.bool)
+        if (task or "document") in self.skiplist_tasks and self._skiplist_ids is not None and len(self._skiplist_ids):
+            mask &= ~torch.isin(input_ids, self._skiplist_ids.to(input_ids.device))
+        if task != "query" and self.keep_only_token_ids:
+            keep = torch.as_tensor(self.keep_only_token_ids, dtype=torch.long, device=input_ids.device)
+            mask &= torch.isin(input_ids, keep)
+        features["scoring_mask"] = mask
+        return features

@@ -1,0 +1,92 @@
+"""MultiVectorEncoder(backend="fast") against plain sentence-transformers on the same folder at fp32: per-token
+vectors and masks, query and document lengths, query expansion, the skiplist, every encode argument."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import DEVICE, TOLERANCE, max_diff
+from hybrid_builders import build_colbert
+from sentence_transformers import MultiVectorEncoder as PlainMultiVectorEncoder
+
+from st_fastbackend import MultiVectorEncoder, UnsupportedModelError
+
+FAMILIES = ["bert", "roberta", "modernbert"]
+EXPANSION = {"strategy": "fixed", "attend": True, "length": 24}
+
+
+def load_both(folder, **kwargs):
+    plain = PlainMultiVectorEncoder(str(folder), device=DEVICE, **kwargs)
+    fast = MultiVectorEncoder(str(folder), backend="fast", device=DEVICE, **kwargs)
+    return plain, fast
+
+
+def assert_same(plain_vectors: list, fast_vectors: list) -> None:
+    """Per text the same scored tokens (shapes), each vector within the contract."""
+    assert len(plain_vectors) == len(fast_vectors)
+    for expected, found in zip(plain_vectors, fast_vectors, strict=True):
+        assert tuple(found.shape) == tuple(expected.shape)
+        assert max_diff(expected, found) <= TOLERANCE
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_matches_plain(tmp_path, texts, family):
+    plain, fast = load_both(build_colbert(tmp_path, family))
+    assert_same(plain.encode_document(texts[:24]), fast.encode_document(texts[:24]))
+    assert_same(plain.encode_query(texts[:24]), fast.encode_query(texts[:24]))
+
+
+@pytest.mark.parametrize("strategy", ["fixed", "min"])
+def test_lengths_and_query_expansion(tmp_path, texts, strategy):
+    expansion = {**EXPANSION, "strategy": strategy}
+    folder = build_colbert(tmp_path, "bert", query_expansion=expansion, query_length=40, document_length=60)
+    plain, fast = load_both(folder)
+    queries = fast.encode_query(texts[:24])
+    assert_same(plain.encode_query(texts[:24]), queries)
+    assert min(len(q) for q in queries) == 24  # short queries expanded to the expansion length
+    assert_same(plain.encode_document(texts[:24]), fast.encode_document(texts[:24]))
+
+
+def test_skiplist_and_prompts(tmp_path, texts):
+    folder = build_colbert(tmp_path, "bert", skiplist_words=["</s>", "a"], prompts={"query": "q: ", "document": "d: "})
+    plain, fast = load_both(folder)
+    assert_same(plain.encode_document(texts[:16]), fast.encode_document(texts[:16]))
+    assert_same(plain.encode_query(texts[:16]), fast.encode_query(texts[:16]))
+
+
+def test_encode_arguments(tmp_path, texts):
+    plain, fast = load_both(build_colbert(tmp_path, "bert"))
+    for kwargs in [dict(normalize_embeddings=True), dict(convert_to_numpy=True), dict(task="query"),
+                   dict(prompt="search: ")]:  # fmt: skip
+        expected, found = (m.encode(texts[:10], **kwargs) for m in (plain, fast))
+        assert type(expected[0]) is type(found[0]), kwargs
+        assert_same(expected, found)
+    single = fast.encode(texts[4])
+    assert isinstance(single, torch.Tensor) and single.ndim == 2
+    scores = (plain.similarity(plain.encode_query(texts[:3]), plain.encode_document(texts[3:8])),
+              fast.similarity(fast.encode_query(texts[:3]), fast.encode_document(texts[3:8])))  # fmt: skip
+    assert max_diff(*scores) <= 1e-4
+    with pytest.raises(UnsupportedModelError, match="output_value=None"):
+        fast.encode(texts[:2], output_value=None)
+
+
+def test_batch_invariance(tmp_path, texts):
+    fast = MultiVectorEncoder(str(build_colbert(tmp_path, "bert")), backend="fast", device=DEVICE)
+    together = fast.encode_document(texts[:16])
+    alone = [fast.encode_document(t) for t in texts[:16]]
+    assert_same(alone, together)
+
+
+def test_save_loads_in_plain(tmp_path, texts):
+    fast = MultiVectorEncoder(str(build_colbert(tmp_path / "m", "bert", query_expansion=EXPANSION)), backend="fast",
+                              device=DEVICE)  # fmt: skip
+    fast.save(str(tmp_path / "saved"))
+    assert "st_fastbackend" not in (tmp_path / "saved" / "modules.json").read_text()
+    plain = PlainMultiVectorEncoder(str(tmp_path / "saved"), device=DEVICE)
+    assert_same(plain.encode_query(texts[:6]), fast.encode_query(texts[:6]))
+
+
+def test_unattended_expansion_is_refused(tmp_path):
+    folder = build_colbert(tmp_path, "bert", query_expansion={**EXPANSION, "attend": False})
+    with pytest.raises(UnsupportedModelError, match="attend=False"):
+        MultiVectorEncoder(str(folder), backend="fast", device=DEVICE)
