@@ -56,6 +56,8 @@ def test_model_check_returns_the_report(st_model):
     assert str(report).splitlines()[0] == report.verdict() and report.ran in str(report)
     mine = model.check(texts=["one text of mine", "and another"])
     assert [(case.name, case.inputs) for case in mine.cases] == [("your texts", 2)] and mine.passed
+    model.max_seq_length = 16  # changed after load: plain is loaded beside it with the same window
+    assert model.check(texts=[" ".join(["word"] * 40)]).passed
     with pytest.raises(UnsupportedModelError, match="check"):
         SentenceTransformer(str(st_model("mistral", pooling_mode="lasttoken")), device=DEVICE).check()
 

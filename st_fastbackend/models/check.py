@@ -125,12 +125,12 @@ def check(model, texts: list[str] | None = None) -> CheckReport:
 
 
 def _compare(probing: Probing, case: Case, fast, reference, own, quantize: str | None) -> CaseResult:
-    diff, cosine = _errors(probing, fast, reference)
+    diff, cosine = probing.errors(fast, reference)
     measured, bound = diff, EXACT
     if quantize:
         measured, bound = (cosine, INT8_ONE_MINUS_COS) if probing.vectors else (diff, None)
     elif own is not None:
-        own_diff, own_cosine = _errors(probing, own, reference)
+        own_diff, own_cosine = probing.errors(own, reference)
         measured, bound = (cosine, own_cosine) if probing.vectors else (diff, own_diff)
         bound = LOW_PRECISION_FACTOR * bound.max()
     worst = int(np.argmax(measured))
@@ -141,14 +141,7 @@ def _compare(probing: Probing, case: Case, fast, reference, own, quantize: str |
     )  # fmt: skip
 
 
-def _errors(probing: Probing, ours: np.ndarray, reference: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-    """Per input: max |diff| (NaN counts as infinite), and 1 - cosine where the outputs are (unit) vectors."""
-    diff = np.nan_to_num(np.abs(ours - reference), nan=np.inf).max(axis=1)
-    cosine = np.nan_to_num(1 - (ours * reference).sum(axis=1), nan=np.inf) if probing.vectors else None
-    return diff, cosine
-
-
-def _timed(probing: Probing, model, cases: list[Case], warm_up: bool = True) -> tuple[list[np.ndarray], float]:
+def _timed(probing: Probing, model, cases: list[Case], warm_up: bool = True) -> tuple[list, float]:
     """Every case's outputs, and the seconds of one pass over all of them; after a warm-up on the first case (the
     one-time costs of a first call; a pass over every case would double the time of a check)."""
     if warm_up:
@@ -158,7 +151,7 @@ def _timed(probing: Probing, model, cases: list[Case], warm_up: bool = True) -> 
     return outputs, time.perf_counter() - start
 
 
-def _with_plain(model, probing: Probing, cases, dtype, warm_up=False) -> tuple[list[np.ndarray], float]:
+def _with_plain(model, probing: Probing, cases, dtype, warm_up=False) -> tuple[list, float]:
     """Plain sentence-transformers' outputs in `dtype` (fp32 products exact); freed before the next is loaded."""
     args, kwargs = model.loaded_with
     model_kwargs = {k: v for k, v in (kwargs.get("model_kwargs") or {}).items()

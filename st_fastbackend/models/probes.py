@@ -2,7 +2,8 @@
 
 A model class is checked through its `Probing` in PROBING (keyed by sentence-transformers' class, looked up
 along the model's MRO): the cases made from the probe texts (or the user's), its outputs for one case with
-either backend, and whether those outputs are vectors (1 - cosine has a meaning) or scores.
+either backend, and the errors of one run's outputs against another's, per input: max |diff|, and 1 - cosine
+where the outputs are vectors. A class plugs in with an entry there.
 """
 
 from __future__ import annotations
@@ -69,8 +70,16 @@ class Probing:
         return list(texts)
 
     def outputs(self, model, case: Case) -> np.ndarray:
-        """[inputs, D] float64."""
+        """[inputs, D] float64 (for the default `errors`; a class with its own may return what that reads)."""
         raise NotImplementedError
+
+    def errors(self, ours, reference) -> tuple[np.ndarray, np.ndarray | None]:
+        """Per input: max |diff| (NaN counts as infinite), and 1 - cosine where the outputs are unit vectors."""
+        diff = np.nan_to_num(np.abs(ours - reference), nan=np.inf).max(axis=1)
+        if not self.vectors:
+            return diff, None
+        cosine = np.maximum(1 - (ours * reference).sum(axis=1), 0)  # not below 0 by rounding (-2e-16); NaN stays
+        return diff, np.nan_to_num(cosine, nan=np.inf)
 
     def copy_settings(self, fast, plain) -> None:
         """What a user may have changed on the loaded model, onto the plain one loaded beside it."""
