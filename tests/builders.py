@@ -42,6 +42,8 @@ MODEL_CONFIGS = {
     "bert": dict(ENCODER_SIZES, model_type="bert", type_vocab_size=2),
     "roberta": dict(ENCODER_SIZES, model_type="roberta", type_vocab_size=1),
     "xlm-roberta": dict(ENCODER_SIZES, model_type="xlm-roberta", type_vocab_size=1, hidden_act="gelu_new"),
+    # DistilBertConfig's own names for the same widths; no token types.
+    "distilbert": dict(model_type="distilbert", dim=64, hidden_dim=128, n_layers=2, n_heads=4),
     # EmbeddingGemma's shape in small: bidirectional, a sliding layer (|i - j| <= 8) then a full one, each with
     # its own rope θ; query_pre_attn_scalar unlike head_dim, so the softmax scale is not 1/sqrt(head_dim).
     "gemma3_text": dict(
@@ -59,9 +61,11 @@ MODEL_CONFIGS = {
         cls_token_id=1, sep_token_id=2,
     ),
 }  # fmt: skip
-# What the tokenizer's post-processor adds: decoders <s> only; BERT [CLS] x [SEP]; RoBERTa <s> x </s>;
+# What the tokenizer's post-processor adds: decoders <s> only; BERT and DistilBERT [CLS] x [SEP]; RoBERTa <s> x </s>;
 # EmbeddingGemma <bos> x <eos>; ModernBERT [CLS] x [SEP].
-TEMPLATES = {family: "<s> $A </s>" for family in ("bert", "roberta", "xlm-roberta", "gemma3_text", "modernbert")}
+TEMPLATES = {
+    family: "<s> $A </s>" for family in ("bert", "roberta", "xlm-roberta", "distilbert", "gemma3_text", "modernbert")
+}
 
 
 def make_texts(n: int, seed: int = 1, max_words: int = 300) -> list[str]:
@@ -113,6 +117,13 @@ def build_hf_model(
     model.save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     train_tokenizer(TEMPLATES.get(family, "<s> $A")).save_pretrained(folder)
     return folder
+
+
+def build_distilbert_mlm(folder: Path, seed: int = 0, **overrides) -> Path:
+    """A random-weight DistilBertForMaskedLM checkpoint in ``folder``: `distilbert.`-prefixed body tensors and the
+    head's vocab_transform, vocab_layer_norm and vocab_projector (its weight tied to the word embeddings, so not
+    saved, unless `tie_word_embeddings=False`). `overrides`: DistilBertConfig fields (dim, n_layers, activation...)."""
+    return build_hf_model(folder, "distilbert", seed=seed, masked_lm=True, **overrides)
 
 
 def build_st_model(

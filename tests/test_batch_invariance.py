@@ -9,7 +9,7 @@ from helpers import DEVICE
 from st_fastbackend import SentenceTransformer
 
 
-@pytest.mark.parametrize("family", ["mistral", "qwen3"])
+@pytest.mark.parametrize("family", ["mistral", "qwen3", "distilbert"])
 def test_alone_equals_inside_any_pack(st_model, texts, family):
     model = SentenceTransformer(str(st_model(family, pooling_mode="mean")), backend="fast", device=DEVICE)
     alone = np.stack([model.encode(text) for text in texts])

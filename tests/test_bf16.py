@@ -31,7 +31,7 @@ def assert_bf16_error_within_twice_plain(folder, texts):
     assert np.abs(fast32.encode(texts) - reference).max() <= 1e-5  # the same folder is exact at fp32
 
 
-@pytest.mark.parametrize("family", ["mistral", "qwen3", "bert"])
+@pytest.mark.parametrize("family", ["mistral", "qwen3", "bert", "distilbert"])
 def test_bf16_error_bound_on_random_models(st_model, texts, family):
     assert_bf16_error_within_twice_plain(st_model(family, pooling_mode="mean"), [t for t in texts if t])
 
@@ -92,7 +92,7 @@ def assert_bf16_products_closer_than_bf16(folder, texts):
 
 
 @pytest.mark.skipif(not bf16_products_allowed_here(), reason="oneDNN runs bf16 natively on x86-64 with AVX-512 only")
-@pytest.mark.parametrize("family", ["mistral", "bert"])
+@pytest.mark.parametrize("family", ["mistral", "bert", "distilbert"])
 def test_bf16_products_in_an_fp32_model(st_model, texts, family, restore_matmul_precision):
     assert_bf16_products_closer_than_bf16(st_model(family, pooling_mode="mean"), [t for t in texts if t])
 

@@ -21,6 +21,7 @@ CASES = {
     "qwen2 window in layer 1": ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1)),
     "mistral multi-query": ("mistral", dict(num_key_value_heads=1)),
     "bert": ("bert", {}),
+    "distilbert": ("distilbert", {}),
     "embeddinggemma (symmetric window, scale)": ("gemma3_text", {}),
     "modernbert (symmetric window)": ("modernbert", {}),
 }

@@ -1,16 +1,20 @@
-"""BERT-family encoders on the packed engine: random BERT / RoBERTa / XLM-R, and the real all-MiniLM-L6-v2."""
+"""BERT-family encoders on the packed engine: random BERT / RoBERTa / XLM-R / DistilBERT, and the real
+all-MiniLM-L6-v2."""
 
 import json
 import shutil
 
 import numpy as np
 import pytest
+import torch
+import transformers
+from builders import build_distilbert_mlm, build_hf_model
 from helpers import DATA_DIR, TOLERANCE, load_both, max_diff, minilm_path, needs_data
 
 from st_fastbackend import SentenceTransformer, UnsupportedModelError
 from st_fastbackend.modules import PackedTransformer
 
-ENCODERS = ["bert", "roberta", "xlm-roberta"]
+ENCODERS = ["bert", "roberta", "xlm-roberta", "distilbert"]
 POOLING_MODES = ["mean", "cls", "max", "lasttoken", "weightedmean", "mean_sqrt_len_tokens", ("cls", "mean")]
 
 
@@ -23,7 +27,7 @@ def test_every_encoder_and_pooling_mode_matches_plain(st_model, texts, family, p
     assert max_diff(plain.encode(texts, batch_size=8), fast.encode(texts, batch_size=8)) <= TOLERANCE
 
 
-@pytest.mark.parametrize("family", ["bert", "roberta"])
+@pytest.mark.parametrize("family", ["bert", "roberta", "distilbert"])
 def test_encoder_prompt_excluded_and_batch_invariance(st_model, texts, family):
     plain, fast = load_both(st_model(family, pooling_mode="mean", include_prompt=False), prompts={"q": "query: "})
     assert max_diff(plain.encode(texts, prompt_name="q"), fast.encode(texts, prompt_name="q")) <= TOLERANCE
@@ -46,12 +50,50 @@ def test_legacy_do_lower_case(st_model, texts, tmp_path):
 
 
 def test_relative_positions_are_refused(tmp_path):
-    from builders import build_hf_model
-
     folder = build_hf_model(tmp_path / "hf", "bert")
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "position_embedding_type": "relative_key"}))
     with pytest.raises(UnsupportedModelError, match="position_embedding_type 'relative_key'"):
+        SentenceTransformer(str(folder), backend="fast", device="cpu")
+
+
+DISTILBERT_CHECKPOINTS = {
+    "DistilBertModel": lambda folder: build_hf_model(folder, "distilbert"),
+    "DistilBertForMaskedLM (distilbert. prefix, MLM head)": build_distilbert_mlm,
+    "DistilBertForMaskedLM, untied projector": lambda folder: build_distilbert_mlm(folder, tie_word_embeddings=False),
+}
+
+
+@pytest.mark.parametrize("checkpoint", DISTILBERT_CHECKPOINTS)
+def test_distilbert_token_states_match_transformers(tmp_path, texts, checkpoint):
+    """Per-token last hidden states against transformers' DistilBertModel on the same folder (an MLM
+    checkpoint's body, as AutoModel reads it), each text alone and unpadded there."""
+    folder = DISTILBERT_CHECKPOINTS[checkpoint](tmp_path / "hf")
+    fast = SentenceTransformer(str(folder), backend="fast", device="cpu")
+    reference = transformers.AutoModel.from_pretrained(folder).eval()
+    assert type(reference).__name__ == "DistilBertModel" and type(fast[0].model).__name__ == "DistilBert"
+    ours = fast.encode(texts, output_value="token_embeddings", batch_size=8)
+    for ids, states in zip(fast[0].texts.encode(texts), ours, strict=True):
+        with torch.inference_mode():
+            expected = reference(input_ids=torch.tensor([ids])).last_hidden_state[0]
+        assert max_diff(states, expected) <= TOLERANCE
+
+
+DISTILBERT_VARIANTS = {"sinusoidal_pos_embds (stored weights)": dict(sinusoidal_pos_embds=True),
+                       "relu": dict(activation="relu")}  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", DISTILBERT_VARIANTS)
+def test_distilbert_variants_match_plain(st_model, texts, variant):
+    plain, fast = load_both(st_model("distilbert", pooling_mode="mean", **DISTILBERT_VARIANTS[variant]))
+    assert max_diff(plain.encode(texts, batch_size=8), fast.encode(texts, batch_size=8)) <= TOLERANCE
+
+
+def test_distilbert_unknown_activation_is_refused_by_name(tmp_path):
+    folder = build_hf_model(tmp_path / "hf", "distilbert")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "activation": "gelu_made_up"}))
+    with pytest.raises(UnsupportedModelError, match="activation 'gelu_made_up'"):
         SentenceTransformer(str(folder), backend="fast", device="cpu")
 
 

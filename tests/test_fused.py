@@ -83,6 +83,7 @@ FAMILIES = {  # family -> the seams its layers go through
     "gemma3_text": {"rms_norm", "residual_rms", "split_rotate"},
     "modernbert": {"residual_layer_norm", "split_rotate"},
     "bert": {"add_layer_norm"},
+    "distilbert": {"add_layer_norm"},
 }
 
 

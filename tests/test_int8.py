@@ -101,9 +101,10 @@ def test_cpu_without_vnni_is_refused(monkeypatch):
         quantize.check_quantize("int8", torch.device("cpu"))
 
 
-def test_int8_model_is_close_and_fp32_stays_exact(st_model):
-    """A random BERT: int8 within 1 - cos 2e-2 of plain fp32; an fp32 model loaded beside it exact."""
-    path = str(st_model("bert", pooling_mode="mean"))
+@pytest.mark.parametrize("family", ["bert", "distilbert"])
+def test_int8_model_is_close_and_fp32_stays_exact(st_model, family):
+    """A random BERT (or DistilBERT): int8 within 1 - cos 2e-2 of plain fp32; an fp32 model beside it exact."""
+    path = str(st_model(family, pooling_mode="mean"))
     plain, fast = load_both(path, device="cpu")
     int8 = SentenceTransformer(path, backend="fast", device="cpu", model_kwargs={"quantize": "int8"})
     assert int8[0].product_dtype == torch.int8 and fast[0].product_dtype == torch.float32

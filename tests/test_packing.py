@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import DEVICE
-from transformers import MistralConfig
+from transformers import DistilBertConfig, MistralConfig
 
 import st_fastbackend.models.fast
 from st_fastbackend import SentenceTransformer
@@ -144,6 +144,17 @@ def test_gpu_budget_comes_from_free_memory(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (gib // 4, 139 * gib))
     small = schedule.cuda_max_tokens(config, torch.bfloat16, torch.device("cuda"))
     assert small == schedule.MIN_GPU_TOKENS
+
+
+def test_gpu_budget_reads_distilberts_mlp_width(monkeypatch):
+    """DistilBertConfig names the MLP width hidden_dim, and has no intermediate_size."""
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (60 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 0)
+    config = DistilBertConfig(dim=768, hidden_dim=3072)
+    budget = schedule.cuda_max_tokens(config, torch.float16, torch.device("cuda"))
+    assert budget == 30 * gib // (4 * (768 + 3072) * 2)
 
 
 class CopyDone:

@@ -1,8 +1,9 @@
-"""BERT, RoBERTa and XLM-RoBERTa as one packed bidirectional encoder (post-LayerNorm, learned positions);
-ModernBERT as a second (pre-LayerNorm, rotary positions, alternating global and local attention, GeGLU).
+"""BERT, RoBERTa and XLM-RoBERTa as one packed bidirectional encoder (post-LayerNorm, learned positions), and
+DistilBERT as the same encoder under its own names; ModernBERT as a second (pre-LayerNorm, rotary positions,
+alternating global and local attention, GeGLU).
 
-Module names follow transformers' BertModel and ModernBertModel, so checkpoints load by name; BERT's
-query/key/value are fused (ModernBERT's checkpoints hold them fused already).
+Module names follow transformers' BertModel, DistilBertModel and ModernBertModel, so checkpoints load by name;
+BERT's and DistilBERT's query/key/value are fused (ModernBERT's checkpoints hold them fused already).
 """
 
 from __future__ import annotations
@@ -26,18 +27,22 @@ class Embeddings(nn.Module):
         super().__init__()
         self.word_embeddings = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.position_embeddings = nn.Embedding(spec.max_positions, spec.hidden_size)
-        self.token_type_embeddings = nn.Embedding(spec.type_vocab_size, spec.hidden_size)
+        types = nn.Embedding(spec.type_vocab_size, spec.hidden_size) if spec.type_vocab_size else None
+        self.token_type_embeddings = types  # None: DistilBERT, whose model takes no token_type_ids
         self.LayerNorm = nn.LayerNorm(spec.hidden_size, eps=spec.norm_eps)
 
     def forward(self, batch: PackedBatch) -> Tensor:
+        h = self.word_embeddings(batch.input_ids)  # [T, hidden]
+        if self.token_type_embeddings is not None:
+            h = h + self._token_types(batch)
+        return self.LayerNorm(h + self.position_embeddings(batch.position_ids))
+
+    def _token_types(self, batch: PackedBatch) -> Tensor:
         # Single texts have token type 0 everywhere, as plain sentence-transformers sends them; a pair's
         # second text is segment 1 (BERT's cross-encoders).
         if batch.token_type_ids is None:
-            types = self.token_type_embeddings.weight[0]  # [hidden], broadcast
-        else:
-            types = self.token_type_embeddings(batch.token_type_ids)  # [T, hidden]
-        h = self.word_embeddings(batch.input_ids) + types  # [T, hidden]
-        return self.LayerNorm(h + self.position_embeddings(batch.position_ids))
+            return self.token_type_embeddings.weight[0]  # [hidden], broadcast
+        return self.token_type_embeddings(batch.token_type_ids)  # [T, hidden]
 
 
 class SelfAttention(nn.Module):
@@ -61,8 +66,12 @@ class DenseResidualNorm(nn.Module):
         self.LayerNorm = nn.LayerNorm(d_out, eps=eps)
 
     def forward(self, x: Tensor, residual: Tensor, runtime: Runtime) -> Tensor:
-        norm = self.LayerNorm
-        return seams(runtime.fused).add_layer_norm(self.dense(x), residual, norm.weight, norm.bias, norm.eps)
+        return add_norm(self.dense(x), residual, self.LayerNorm, runtime)
+
+
+def add_norm(x: Tensor, residual: Tensor, norm: nn.LayerNorm, runtime: Runtime) -> Tensor:
+    """norm(x + residual), one seam (engine/fused.py)."""
+    return seams(runtime.fused).add_layer_norm(x, residual, norm.weight, norm.bias, norm.eps)
 
 
 class AttentionBlock(nn.Module):
@@ -94,22 +103,60 @@ class EncoderLayer(nn.Module):
         return self.output(self.intermediate(h), h, runtime)
 
 
-class LayerStack(nn.Module):
+class DistilBertAttention(SelfAttention):
+    """DistilBERT's attention block: BERT's self-attention with its output product (out_lin) beside q/k/v."""
+
+    def __init__(self, spec: EncoderSpec) -> None:
+        super().__init__(spec)
+        self.out_lin = Linear(spec.hidden_size, spec.hidden_size)
+
+    def forward(self, h: Tensor, batch: PackedBatch, runtime: Runtime) -> Tensor:
+        return self.out_lin(super().forward(h, batch, runtime))
+
+
+class DistilBertFFN(nn.Module):
     def __init__(self, spec: EncoderSpec) -> None:
         super().__init__()
-        self.layer = nn.ModuleList(EncoderLayer(spec) for _ in range(spec.num_layers))
+        self.lin1 = Linear(spec.hidden_size, spec.intermediate_size)
+        self.lin2 = Linear(spec.intermediate_size, spec.hidden_size)
+        self.hidden_act = spec.hidden_act
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lin2(self.lin1.act(x, self.hidden_act))
+
+
+class DistilBertLayer(nn.Module):
+    """transformers' DistilBERT TransformerBlock: EncoderLayer's math under DistilBERT's names."""
+
+    def __init__(self, spec: EncoderSpec) -> None:
+        super().__init__()
+        self.attention = DistilBertAttention(spec)
+        self.sa_layer_norm = nn.LayerNorm(spec.hidden_size, eps=spec.norm_eps)
+        self.ffn = DistilBertFFN(spec)
+        self.output_layer_norm = nn.LayerNorm(spec.hidden_size, eps=spec.norm_eps)
+
+    def forward(self, h: Tensor, batch: PackedBatch, runtime: Runtime) -> Tensor:
+        h = add_norm(self.attention(h, batch, runtime), h, self.sa_layer_norm, runtime)
+        return add_norm(self.ffn(h), h, self.output_layer_norm, runtime)
+
+
+class LayerStack(nn.Module):
+    def __init__(self, spec: EncoderSpec, layer_class: type[nn.Module]) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList(layer_class(spec) for _ in range(spec.num_layers))
 
 
 class Encoder(nn.Module):
     fused = ENCODER_FUSED
     ignored = ENCODER_IGNORED
     prefixes = ("bert.", "roberta.")  # *ForMaskedLM and similar checkpoints nest the encoder
+    stack, layer_class = "encoder", EncoderLayer  # where transformers keeps the layers, and what each one is
 
     def __init__(self, spec: EncoderSpec) -> None:
         super().__init__()
         self.spec = spec
         self.embeddings = Embeddings(spec)
-        self.encoder = LayerStack(spec)
+        self.add_module(self.stack, LayerStack(spec, self.layer_class))
 
     @property
     def position_offset(self) -> int:
@@ -125,9 +172,23 @@ class Encoder(nn.Module):
                 "embeddings; lower max_seq_length."
             )
         h = self.embeddings(batch)
-        for layer in self.encoder.layer:
+        for layer in getattr(self, self.stack).layer:
             h = layer(h, batch, runtime)
         return h
+
+
+class DistilBert(Encoder):
+    """DistilBertModel: the encoder above without token types, under DistilBERT's names."""
+
+    fused = {"q_lin": ("qkv", 0), "k_lin": ("qkv", 1), "v_lin": ("qkv", 2)}
+    # DistilBertForMaskedLM's head (modules/ reads it on its own) and a buffer some checkpoints carry.
+    ignored = ("vocab_transform.", "vocab_layer_norm.", "vocab_projector.", "embeddings.position_ids")
+    prefixes = ("distilbert.",)
+    stack, layer_class = "transformer", DistilBertLayer
+
+
+# model_type -> its engine, where that is not Encoder.
+ENCODER_CLASSES: dict[str, type[Encoder]] = {"distilbert": DistilBert}
 
 
 class ModernBertEmbeddings(nn.Module):

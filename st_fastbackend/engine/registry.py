@@ -7,7 +7,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from st_fastbackend.engine.decoder import Decoder
-from st_fastbackend.engine.encoder import Encoder, ModernBert
+from st_fastbackend.engine.encoder import ENCODER_CLASSES, Encoder, ModernBert
 from st_fastbackend.engine.spec import (
     DECODER_FAMILIES,
     ENCODER_FAMILIES,
@@ -26,7 +26,7 @@ def build_engine(config: PretrainedConfig) -> nn.Module:
     if config.model_type in DECODER_FAMILIES:
         engine_class, spec = Decoder, DecoderSpec.from_config(config)
     elif config.model_type in ENCODER_FAMILIES:
-        engine_class, spec = Encoder, EncoderSpec.from_config(config)
+        engine_class, spec = ENCODER_CLASSES.get(config.model_type, Encoder), EncoderSpec.from_config(config)
     elif config.model_type in MODERNBERT_FAMILIES:
         engine_class, spec = ModernBert, ModernBertSpec.from_config(config)
     else:

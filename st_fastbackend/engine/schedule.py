@@ -10,6 +10,7 @@ import torch
 
 from st_fastbackend.engine.batch import plan_batches
 from st_fastbackend.engine.prefix import Prefix
+from st_fastbackend.engine.spec import mlp_width
 
 # Tokens per pack on a CPU: large enough for efficient matrix products, small enough that activations stay
 # in the tens of MiB for small models. A GPU sizes it from its free memory, never below MIN_GPU_TOKENS.
@@ -90,5 +91,5 @@ def cuda_max_tokens(
     free, total = torch.cuda.mem_get_info(device)
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # cached by PyTorch
     free = min(free, int(share * total) - torch.cuda.memory_allocated(device))
-    per_token = 4 * (config.hidden_size + config.intermediate_size) * dtype.itemsize
+    per_token = 4 * (config.hidden_size + mlp_width(config)) * dtype.itemsize
     return max(MIN_GPU_TOKENS, int(free * fraction) // per_token)

@@ -43,7 +43,9 @@ DECODER_DEFAULTS = dict(norm_offset=False, sandwich_norms=False, scaled_embeddin
 FP16_OVERFLOWS = ("qwen2", "qwen3", "gemma3_text")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 # model_type -> whether positions start after the padding index (RoBERTa's create_position_ids_from_input_ids).
-ENCODER_FAMILIES = {"bert": False, "roberta": True, "xlm-roberta": True}
+ENCODER_FAMILIES = {"bert": False, "roberta": True, "xlm-roberta": True, "distilbert": False}
+# transformers' modeling_distilbert.py builds every LayerNorm with eps=1e-12; DistilBertConfig has no such field.
+DISTILBERT_NORM_EPS = 1e-12
 # Encoders with rotary positions, pre-norm layers and a gated MLP (engine/encoder.ModernBert).
 MODERNBERT_FAMILIES = ("modernbert",)
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -68,7 +70,12 @@ class Widths:
         """The fields every Hugging Face config names the same way, and the two each family names its own."""
         return dict(model_type=config.model_type, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
                     num_layers=config.num_hidden_layers, num_heads=config.num_attention_heads,
-                    intermediate_size=config.intermediate_size, norm_eps=norm_eps, hidden_act=hidden_act)  # fmt: skip
+                    intermediate_size=mlp_width(config), norm_eps=norm_eps, hidden_act=hidden_act)  # fmt: skip
+
+
+def mlp_width(config: PretrainedConfig) -> int:
+    """config.intermediate_size, which DistilBertConfig alone names hidden_dim (its attribute_map maps the rest)."""
+    return config.hidden_dim if getattr(config, "model_type", None) == "distilbert" else config.intermediate_size
 
 
 @dataclass(frozen=True)
@@ -127,7 +134,7 @@ class DecoderSpec(Widths):  # hidden_act: the gate's activation in act(gate) * u
 @dataclass(frozen=True)
 class EncoderSpec(Widths):
     max_positions: int
-    type_vocab_size: int
+    type_vocab_size: int  # 0: no token type embeddings (DistilBERT)
     position_offset: int  # first position id: 0 for BERT, padding_idx + 1 for RoBERTa
 
     @classmethod
@@ -136,12 +143,18 @@ class EncoderSpec(Widths):
             raise UnsupportedModelError(f"position_embedding_type {config.position_embedding_type!r}")
         if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
             raise UnsupportedModelError("A BERT-family model configured as a decoder (is_decoder/add_cross_attention)")
-        if config.hidden_act not in ACT2FN:
-            raise UnsupportedModelError(f"hidden_act {config.hidden_act!r}")
+        # DistilBERT's sinusoidal_pos_embds only initializes position_embeddings.weight, which the checkpoint
+        # stores and transformers loads as stored: the learned-positions path reads it the same.
+        distil = config.model_type == "distilbert"
+        act_field = "activation" if distil else "hidden_act"
+        hidden_act = getattr(config, act_field)
+        if hidden_act not in ACT2FN:
+            raise UnsupportedModelError(f"{act_field} {hidden_act!r}")
+        norm_eps = DISTILBERT_NORM_EPS if distil else config.layer_norm_eps
         return cls(
-            **Widths.read(config, config.layer_norm_eps, config.hidden_act),
+            **Widths.read(config, norm_eps, hidden_act),
             max_positions=config.max_position_embeddings,
-            type_vocab_size=config.type_vocab_size,
+            type_vocab_size=0 if distil else config.type_vocab_size,
             position_offset=config.pad_token_id + 1 if ENCODER_FAMILIES[config.model_type] else 0,
         )
 
