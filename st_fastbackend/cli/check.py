@@ -30,8 +30,8 @@ def check(args: argparse.Namespace) -> None:
     model = load_cross_encoder(args) if serves_rerank(args) else load_model(args)
     try:
         report = model.check(texts)
-    except ValueError as error:  # a line without a tab for a cross-encoder, ...
-        raise CliError(first_line(error)) from error
+    except Exception as error:  # a line without a tab for a cross-encoder, plain failing to load: one line
+        raise CliError(f"cannot check {args.model}: {first_line(error)}") from error
     print(report)
     if not report.passed:
         print(f"check failed: {', '.join(report.failed)}", file=sys.stderr)

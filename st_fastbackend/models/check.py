@@ -97,6 +97,8 @@ class CheckReport:
 
 
 def check(model, texts: list[str] | None = None) -> CheckReport:
+    """`model` (backend="fast") against plain sentence-transformers loaded from the same arguments, on the probes
+    of its class (models/probes.py) or on `texts`."""
     if getattr(model, "backend", None) != "fast" or not hasattr(model, "loaded_with"):
         raise UnsupportedModelError('check() (it compares a model loaded with backend="fast" against plain)')
     args, kwargs = model.loaded_with
