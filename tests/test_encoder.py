@@ -49,11 +49,17 @@ def test_legacy_do_lower_case(st_model, texts, tmp_path):
     assert max_diff(fast.encode(shouted), fast.encode(texts)) <= TOLERANCE
 
 
-def test_relative_positions_are_refused(tmp_path):
-    folder = build_hf_model(tmp_path / "hf", "bert")
+@pytest.mark.parametrize(
+    "family, changes, named",
+    [("bert", {"position_embedding_type": "relative_key"}, "position_embedding_type 'relative_key'"),
+     ("distilbert", {"activation": "gelu_made_up"}, "activation 'gelu_made_up'")],
+    ids=["bert relative positions", "distilbert activation"],
+)  # fmt: skip
+def test_what_changes_the_math_is_refused_by_name(tmp_path, family, changes, named):
+    folder = build_hf_model(tmp_path / "hf", family)
     config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "position_embedding_type": "relative_key"}))
-    with pytest.raises(UnsupportedModelError, match="position_embedding_type 'relative_key'"):
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+    with pytest.raises(UnsupportedModelError, match=named):
         SentenceTransformer(str(folder), backend="fast", device="cpu")
 
 
@@ -87,14 +93,6 @@ DISTILBERT_VARIANTS = {"sinusoidal_pos_embds (stored weights)": dict(sinusoidal_
 def test_distilbert_variants_match_plain(st_model, texts, variant):
     plain, fast = load_both(st_model("distilbert", pooling_mode="mean", **DISTILBERT_VARIANTS[variant]))
     assert max_diff(plain.encode(texts, batch_size=8), fast.encode(texts, batch_size=8)) <= TOLERANCE
-
-
-def test_distilbert_unknown_activation_is_refused_by_name(tmp_path):
-    folder = build_hf_model(tmp_path / "hf", "distilbert")
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "activation": "gelu_made_up"}))
-    with pytest.raises(UnsupportedModelError, match="activation 'gelu_made_up'"):
-        SentenceTransformer(str(folder), backend="fast", device="cpu")
 
 
 @needs_data
