@@ -177,6 +177,15 @@ class DocumentTokens:
     spans: list[tuple[int, int]]
 
 
+@dataclass(frozen=True)
+class WholeTokens:
+    """A text's tokens: ids, which are special (1), and each one's (start, end) characters ((0, 0) for one added)."""
+
+    ids: list[int]
+    special: list[int]
+    offsets: list[tuple[int, int]]
+
+
 # The prompts' tokens kept, least recently used dropped first: a server sees any number of distinct prompts.
 PROMPT_CACHE_ENTRIES = 256
 PROMPT_CACHE_BYTES = 16 * 2**20
@@ -249,13 +258,8 @@ class TextTokenizer:
         """prompt + text tokenized whole, without truncation, split into what every chunk of it repeats (special
         tokens and the prompt) and the text's own tokens with their character spans in `text` (chunking)."""
         full = prompt + text if prompt else text
-        with self.lock:  # as encode(): the tokenizer's truncation setting is shared state
-            encoded = self.tokenizer(full, truncation=False, return_offsets_mapping=True, verbose=False,
-                                     return_special_tokens_mask=True, return_attention_mask=False,
-                                     return_token_type_ids=False)  # fmt: skip
-        bos, eos = [self.tokenizer.bos_token_id] * self.add_bos, [self.tokenizer.eos_token_id] * self.add_eos
-        ids = bos + encoded["input_ids"] + eos
-        special = [1] * len(bos) + encoded["special_tokens_mask"] + [1] * len(eos)
+        whole = self.whole(full)
+        ids, special = whole.ids, whole.special
         end = len(ids)
         while end and special[end - 1]:
             end -= 1
@@ -265,10 +269,24 @@ class TextTokenizer:
             if tuple(ids[:start]) != self.prompt_ids(prompt):  # the prompt's last token merged with the text's
                 raise ValueError(f"The prompt {prompt[:80]!r} does not tokenize apart from the text {text[:80]!r}: "
                                  "its chunks cannot each begin with the prompt's own tokens.")  # fmt: skip
-        offsets = ([(0, 0)] * len(bos) + encoded["offset_mapping"])[start:end]
         shift = len(full) - len(text)
-        spans = [(max(0, a - shift), max(0, b - shift)) for a, b in offsets]
+        spans = [(max(0, a - shift), max(0, b - shift)) for a, b in whole.offsets[start:end]]
         return DocumentTokens(ids[:start], ids[start:end], ids[end:], spans)
+
+    def whole(self, text: str, add_special_tokens: bool = True) -> WholeTokens:
+        """`text` tokenized whole, untruncated; with special tokens, BOS/EOS as tokenizer_config.json asks (the
+        ids encode() gives, before truncation)."""
+        with self.lock:  # as encode(): the tokenizer's truncation setting is shared state
+            encoded = self.tokenizer(text, add_special_tokens=add_special_tokens, truncation=False, verbose=False,
+                                     return_offsets_mapping=True, return_special_tokens_mask=True,
+                                     return_attention_mask=False, return_token_type_ids=False)  # fmt: skip
+        bos = [self.tokenizer.bos_token_id] * (self.add_bos and add_special_tokens)
+        eos = [self.tokenizer.eos_token_id] * (self.add_eos and add_special_tokens)
+        return WholeTokens(
+            bos + encoded["input_ids"] + eos,
+            [1] * len(bos) + encoded["special_tokens_mask"] + [1] * len(eos),
+            [(0, 0)] * len(bos) + encoded["offset_mapping"] + [(0, 0)] * len(eos),
+        )
 
     def _token_ids(self, texts: list[str], max_length: int | None) -> list[list[int]]:
         extra = int(self.add_bos) + int(self.add_eos)

@@ -34,15 +34,13 @@ def request_inputs(
 ) -> tuple[list[str] | None, list[list[int]] | None]:
     """(texts, None) or (None, token id lists), after the checks that need no tokenizer. The request's
     `prompt` counts towards `max_chars` with its inputs; `field` is the dialect's name for the inputs."""
-    if isinstance(value, str):
+    if isinstance(value, str) or (value and isinstance(value[0], int)):  # one text, or one input's token ids
         value = [value]
     if not value:
         raise ApiError(400, f"{field} is empty.", code="empty_input")
     if len(value) > max_inputs:
         message = f"{len(value)} inputs in one request; the limit is {max_inputs}."
         raise ApiError(400, message, code="too_many_inputs")
-    if isinstance(value[0], int):
-        return None, [value]
     if isinstance(value[0], list):
         if any(not ids for ids in value):
             raise ApiError(400, f"{field} contains an empty list of token ids.")

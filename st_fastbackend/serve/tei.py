@@ -146,25 +146,16 @@ def _sized(row: torch.Tensor, dimensions: int | None, normalize: bool):
 def tokens(texts: TextTokenizer, text: str, prompt: str | None, add_special_tokens: bool) -> list[dict]:
     """TEI's tokens of prompt + text: id, text, special; start and stop as byte offsets into the UTF-8 of
     prompt + text (None for a special token, whose text is its token string). With special tokens, the ids are
-    those encode() embeds, untruncated (BOS/EOS as tokenizer_config.json asks, as TextTokenizer adds them)."""
+    those encode() embeds, untruncated."""
     full = prompt + text if prompt else text
-    hf = texts.tokenizer
-    with texts.lock:
-        encoded = hf(full, add_special_tokens=add_special_tokens, truncation=False, return_offsets_mapping=True,
-                     return_special_tokens_mask=True, return_attention_mask=False, return_token_type_ids=False,
-                     verbose=False)  # fmt: skip
-        ids, offsets, special = encoded["input_ids"], encoded["offset_mapping"], encoded["special_tokens_mask"]
-        if add_special_tokens:  # the repair TextTokenizer makes for e5-mistral-style folders
-            bos, eos = [hf.bos_token_id] * texts.add_bos, [hf.eos_token_id] * texts.add_eos
-            ids, offsets = bos + ids + eos, [(0, 0)] * len(bos) + offsets + [(0, 0)] * len(eos)
-            special = [1] * len(bos) + special + [1] * len(eos)
-        names = hf.convert_ids_to_tokens(ids)
+    whole = texts.whole(full, add_special_tokens)
+    names = texts.tokenizer.convert_ids_to_tokens(whole.ids)
     at = _byte_offsets(full)
     return [
         {"id": i, "text": name, "special": True, "start": None, "stop": None}
         if is_special
         else {"id": i, "text": full[a:b], "special": False, "start": at[a], "stop": at[b]}
-        for i, (a, b), is_special, name in zip(ids, offsets, special, names, strict=True)
+        for i, (a, b), is_special, name in zip(whole.ids, whole.offsets, whole.special, names, strict=True)
     ]
 
 

@@ -11,15 +11,17 @@ state and must not run in two threads at once. What one request may cost it is b
 from __future__ import annotations
 
 import asyncio
-import itertools
 import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from st_fastbackend.embedder import Embedder
-from st_fastbackend.modules.tokenizer import NoTokensError, clip_text, last_word_start
+from st_fastbackend.modules.tokenizer import NoTokensError, WholeTokens, clip_text, last_word_start
 
 _WORD = re.compile(r"(?<=\s)\S")  # where a word begins after whitespace
+_SPACE = re.compile(r"\s")
+_FIRST_WORD = re.compile(r"\s*\S*")
+
 
 # Characters tokenized per task. At the worst rate measured (a text of one WordPiece token per character,
 # ~3 us a character in all-MiniLM-L6-v2's tokenizer on the 2-core EPYC) a chunk takes under 0.1 s.
@@ -123,28 +125,40 @@ class RequestTokenizer:
         return ids
 
     def _end_kept(self, index: int, text: str, prompt: str | None) -> list[int]:
-        """An over-long input cut from its start: its special tokens and the prompt, then the last of its own
-        tokens that fit. Without a prompt these are the ids of Hugging Face's truncation_side="left". Of a text
-        over max_chars characters, only the end is read, from a word on: the tokens after that word are the
-        whole text's, as every tokenizer here splits words at whitespace."""
-        start, stable = 0, 0
+        """An over-long input cut from its start: its leading special tokens and the prompt's, then the last of
+        its own tokens that fit, then its trailing special tokens. Without a prompt these are the ids of Hugging
+        Face's truncation_side="left". Of a text over max_chars characters only the end is read, from a word on:
+        the tokens after that word are the whole text's, as each tokenizer here splits words at whitespace."""
+        prompt, texts = prompt or "", self.embedder.texts
+        whole, settled = None, 0  # the tokens starting at character `settled` on are the whole text's
         if len(text) > self.max_chars:
-            words = list(itertools.islice(_WORD.finditer(text, len(text) - self.max_chars), 2))
-            if len(words) < 2:
+            begin = _WORD.search(text, len(text) - self.max_chars)
+            if (gap := begin and _SPACE.search(text, begin.start())) is None:
                 raise InputError(f"Input {index} ({len(text):,} characters): no word begins in its last "
                                  f"{self.max_chars:,} characters to cut it at ({self._bound()}).")  # fmt: skip
-            start = words[0].start()  # the first word may be a part of one; it is read but not kept
-            stable = words[1].start() - start
-        try:
-            document = self.embedder.texts.document(text[start:], prompt)
-        except ValueError as error:
-            raise InputError(f"Input {index}: {error}") from error
-        room = self.limit - len(document.head) - len(document.tail)
-        first_kept = next((i for i, (a, _) in enumerate(document.spans) if a >= stable), len(document.ids))
-        if room < 1 or len(document.ids) - first_kept < room:
+            settled = len(prompt) + gap.start() - begin.start()
+            start = texts.whole(prompt + _FIRST_WORD.match(text).group())  # how the whole text begins
+            whole = texts.whole(prompt + text[begin.start() :])
+        else:
+            start = whole = texts.whole(prompt + text)
+        head = start.ids[: self._head_length(start, prompt)]
+        ids, end = whole.ids, len(whole.ids)
+        while end and whole.special[end - 1]:
+            end -= 1
+        room = self.limit - len(head) - (len(ids) - end)
+        first = next((i for i in range(len(head), end) if whole.offsets[i][0] >= settled), end)
+        if room < 1 or end - first < room:
             raise InputError(f"Input {index} cannot keep its last {max(room, 0)} tokens within the last "
                              f"{self.max_chars:,} characters it is read in ({self._bound()}).")  # fmt: skip
-        return document.head + document.ids[len(document.ids) - room :] + document.tail
+        return head + ids[end - room :]
+
+    def _head_length(self, tokens: WholeTokens, prompt: str) -> int:
+        """Its leading special tokens and the prompt's own (the prompt's last may merge with the text's first)."""
+        lead = next((i for i, special in enumerate(tokens.special) if not special), len(tokens.ids))
+        if not prompt:
+            return lead
+        ids, own = tokens.ids, self.embedder.texts.prompt_ids(prompt)
+        return max(lead, next((i for i, (a, b) in enumerate(zip(ids, own, strict=False)) if a != b), len(own)))
 
     def _clipped(self, index: int, text: str, prompt: str | None) -> str:
         """The text, or a prefix of it with the same first `limit` tokens; InputError if none is found in
