@@ -11,27 +11,35 @@ from st_fastbackend.models import SentenceTransformer
 from st_fastbackend.modules import PackedTransformer
 from st_fastbackend.modules.tokenizer import TextTokenizer
 
+# The model classes with more than a dense vector per text, and what the server gives for each kind.
+MODEL_KINDS = {"SparseEncoder": "sparse", "MultiVectorEncoder": "multi_vector"}
+KIND_OUTPUTS = {"dense": ("sentence_embedding", "token_embeddings"), "sparse": ("sparse",),
+                "multi_vector": ("multi_vector",)}  # fmt: skip
+
 
 class Embedder:
     def __init__(self, model: SentenceTransformer) -> None:
-        if not isinstance(model[0], PackedTransformer):
+        if not isinstance(getattr(model, "packed_input", None), PackedTransformer):
             raise TypeError('Embedder needs a model loaded with backend="fast".')
         self._model = model
-        self.texts: TextTokenizer = model[0].texts
+        packed = model.packed_input
+        self.texts: TextTokenizer = packed.texts
         self.dimension: int = model.get_embedding_dimension()
-        self.vocab_size: int = model[0].config.vocab_size
+        self.vocab_size: int = packed.config.vocab_size
         self.max_seq_length: int = model.max_seq_length
         self.normalizes: bool = any(isinstance(module, Normalize) for module in model)
         self.device: torch.device = model.device
         self.prompts: dict[str, str] = dict(model.prompts)
-        # What text-embeddings-inference's /embed_all returns per token: a key of serve/batcher.py's PACK_OUTPUTS
-        # (another model kind names its own), with so many values per token.
-        self.token_output: str = "token_embeddings"
-        self.token_dimension: int = model[0].get_embedding_dimension()
+        # What each pack gives per text (keys of serve/batcher.py's PACK_OUTPUTS): the first is the model's vector,
+        # what its routes serve; a dense model's token embeddings are text-embeddings-inference's /embed_all.
+        self.kind: str = MODEL_KINDS.get(type(model).__name__, "dense")
+        self.outputs: tuple[str, ...] = KIND_OUTPUTS[self.kind]
+        self.token_output: str | None = {"dense": "token_embeddings", "multi_vector": "multi_vector"}.get(self.kind)
+        self.token_dimension: int = packed.get_embedding_dimension() if self.kind == "dense" else self.dimension
 
     def describe(self) -> dict:
         """What runs: device, the weights' dtype, pooling, the attention kernel, the products' dtype, int8 or not."""
-        transformer = self._model[0]
+        transformer = self._model.packed_input
         runtime = transformer.runtime
         pooling = next((module.pooling_mode for module in self._model if hasattr(module, "pooling_mode")), None)
         return {
@@ -47,7 +55,8 @@ class Embedder:
     def compiles_seams(self) -> bool:
         """Whether packs of engine/fused.py's MIN_TOKENS tokens or more run compiled code, compiled at the first such
         pack: the layer seams, or int8's passes around each product (engine/quantize.py)."""
-        return self._model[0].runtime.fused or bool(getattr(self._model[0], "quantize", None))
+        packed = self._model.packed_input
+        return packed.runtime.fused or bool(getattr(packed, "quantize", None))
 
     def resolve_prompt(self, prompt: str | None, prompt_name: str | None) -> str | None:
         """As encode() resolves it: `prompt`, else the model's prompt named `prompt_name`, else the model's

@@ -4,6 +4,7 @@ error, and the line that says what ran. Imports none of the subcommands."""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from st_fastbackend.cli.files import CliError
@@ -55,22 +56,38 @@ def model_kwargs(args: argparse.Namespace) -> dict:
     return kwargs
 
 
-def load_model(args: argparse.Namespace, backend: str = "fast"):
-    """The model, or a one-line CliError: missing folder, a folder that is not a model, any load failure."""
+def load_model(args: argparse.Namespace, backend: str = "fast", kinds: tuple[str, ...] = ("SentenceTransformer",)):
+    """The model, or a one-line CliError: missing folder, a folder that is not a model, a model class the command
+    does not take (`kinds`: the ones it does, by the name config_sentence_transformers.json gives), any load
+    failure."""
     check_model(args.model)
     import torch
 
-    from st_fastbackend import SentenceTransformer
+    import st_fastbackend
 
+    kind = saved_model_type(args.model) or "SentenceTransformer"
+    if kind not in kinds:
+        raise CliError(f"{args.model} is a {kind}; this command takes {' or '.join(kinds)} models")
     if args.matmul_precision:
         torch.set_float32_matmul_precision(args.matmul_precision)
     try:
-        model = SentenceTransformer(args.model, backend=backend, device=args.device, model_kwargs=model_kwargs(args))
+        model = getattr(st_fastbackend, kind)(args.model, backend=backend, device=args.device,
+                                              model_kwargs=model_kwargs(args))  # fmt: skip
     except Exception as error:  # whatever went wrong, one line; --debug shows where
         raise CliError(f"cannot load model {args.model}: {first_line(error)}") from error
     if args.max_seq_length:
         model.max_seq_length = args.max_seq_length
     return model
+
+
+def saved_model_type(name: str) -> str | None:
+    """The model class a folder was saved from (its config_sentence_transformers.json "model_type"), if it says."""
+    path = Path(name).expanduser() / "config_sentence_transformers.json"
+    try:
+        found = json.loads(path.read_text(encoding="utf8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return found if isinstance(found, str) else None
 
 
 def check_model(name: str) -> None:
@@ -95,5 +112,6 @@ def describe(model) -> str:
     weights = str(getattr(weight, "dtype", "?")).removeprefix("torch.")
     if getattr(model, "backend", None) != "fast":
         return f"weights {weights}, backend {getattr(model, 'backend', 'torch')}"
-    products = str(model[0].product_dtype).removeprefix("torch.")
-    return f"weights {weights}, products {products}, attention {model[0].attention_kernel}"
+    packed = model.packed_input
+    products = str(packed.product_dtype).removeprefix("torch.")
+    return f"weights {weights}, products {products}, attention {packed.attention_kernel}"

@@ -16,6 +16,7 @@ from st_fastbackend.cli.rerank import load_cross_encoder, serves_rerank
 from st_fastbackend.serve.limits import ConnectionLimits, Limits
 
 logger = logging.getLogger("st_fastbackend.serve")
+SERVED_KINDS = ("SentenceTransformer", "SparseEncoder", "MultiVectorEncoder")  # and CrossEncoder: cli/rerank.py
 
 
 def add_serve(serve: argparse.ArgumentParser) -> None:
@@ -67,7 +68,7 @@ def serve(args: argparse.Namespace) -> None:
     from st_fastbackend.serve.app import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)-9s %(name)s: %(message)s")
-    model = load_cross_encoder(args) if serves_rerank(args) else load_model(args)
+    model = load_cross_encoder(args) if serves_rerank(args) else load_model(args, kinds=SERVED_KINDS)
     max_input_tokens = args.max_input_tokens or model.max_seq_length
     if max_input_tokens > model.max_seq_length:
         raise CliError(f"--max-input-tokens {max_input_tokens} exceeds max_seq_length {model.max_seq_length}")

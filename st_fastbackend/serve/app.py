@@ -11,7 +11,7 @@ from fastapi import FastAPI
 
 from st_fastbackend.embedder import Embedder
 from st_fastbackend.engine.fused import MIN_TOKENS
-from st_fastbackend.serve import cohere, tei
+from st_fastbackend.serve import cohere, sparse, tei
 from st_fastbackend.serve.batcher import PACK_SECONDS, Batcher, Job
 from st_fastbackend.serve.errors import ErrorResponses, add_error_handlers
 from st_fastbackend.serve.guard import Guard
@@ -21,10 +21,11 @@ from st_fastbackend.serve.rerank import Reranker, is_cross_encoder, rerank_route
 from st_fastbackend.serve.routes import Served, routes
 from st_fastbackend.serve.tokens import RequestTokenizer
 
-# An embedding model's routers, and the error shape of each dialect's paths (OpenAI's on every other path).
+# An embedding model's routers, and the error shape of each dialect's paths (OpenAI's on every other path). A route
+# that does not serve the model's kind (a dense vector, sparse, multi-vector) names the one that does.
 EMBEDDING_DIALECTS = (
-    [routes, tei.tei_routes, cohere.cohere_routes],
-    {**dict.fromkeys(tei.PATHS, tei.tei_shape), **dict.fromkeys(cohere.PATHS, cohere.cohere_shape)},
+    [routes, tei.tei_routes, cohere.cohere_routes, sparse.sparse_routes],
+    {**dict.fromkeys((*tei.PATHS, *sparse.PATHS), tei.tei_shape), **dict.fromkeys(cohere.PATHS, cohere.cohere_shape)},
 )
 
 
@@ -74,7 +75,8 @@ def _lifespan(served: Served):
         ids = await served.tokenizer(["warm up"], None, None, truncate=True)
         if served.embedder.compiles_seams():
             ids = ids * -(-MIN_TOKENS // len(ids[0]))
-        await asyncio.wrap_future(served.batcher.submit(Job(token_ids=ids, prompt=None)))
+        output = getattr(served.embedder, "outputs", ("sentence_embedding",))[0]  # a Reranker's: its scores
+        await asyncio.wrap_future(served.batcher.submit(Job(token_ids=ids, prompt=None, output=output)))
         served.ready = True
         yield
         served.ready = False

@@ -106,9 +106,23 @@ def _token_rows(out: dict) -> list[torch.Tensor]:
     return list(out["token_embeddings"].float().cpu().split(list(out["packed"].lengths)))
 
 
-# A pack's rows, one per sequence, for each output a job may ask for (a model kind may add its own). Jobs asking
+def _sparse_rows(out: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A SparseEncoder's: per text its active dimensions and their values, as SparseEncoder.encode gives them."""
+    dense = out["sentence_embedding"].float().cpu()  # [B, vocab]
+    return [(row.nonzero().squeeze(1), row[row != 0]) for row in dense]
+
+
+def _multi_vector_rows(out: dict) -> list[torch.Tensor]:
+    """A MultiVectorEncoder's: per text its scored token vectors [n_i, dim], as its encode() gives them."""
+    lengths = list(out["packed"].lengths)
+    tokens, masks = out["token_embeddings"].float().cpu().split(lengths), out["scoring_mask"].cpu().split(lengths)
+    return [vectors[mask] for vectors, mask in zip(tokens, masks, strict=True)]
+
+
+# A pack's rows, one per sequence, for each output a job may ask for (embedder.py: which a model gives). Jobs asking
 # for different outputs share packs: the forward pass is the same.
-PACK_OUTPUTS = {"sentence_embedding": _sentence_rows, "token_embeddings": _token_rows}
+PACK_OUTPUTS = {"sentence_embedding": _sentence_rows, "token_embeddings": _token_rows, "sparse": _sparse_rows,
+                "multi_vector": _multi_vector_rows}  # fmt: skip
 
 
 class Batcher:

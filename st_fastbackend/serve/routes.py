@@ -104,6 +104,8 @@ async def embed_inputs(
     left first. An input over the limit is cut (`truncate`; keeping its last tokens with `keep_end`), else 400.
     `field`: the dialect's name for the inputs, in errors; `max_tokens`: the most tokens the request may hold
     (413 past it)."""
+    if output not in served.embedder.outputs:
+        raise ApiError(400, wrong_route(served.embedder.kind), code="wrong_route")
     limits = served.limits
     texts, token_ids = request_inputs(value, served.max_batch_size, limits.max_request_chars, prompt, field)
     if prompt and token_ids is not None:
@@ -129,6 +131,15 @@ async def embed_inputs(
     except Exception as error:
         logger.exception("Request failed")
         raise server_error(error) from error
+
+
+def wrong_route(kind: str) -> str:
+    """Where a model's vectors are, for a request on a route that does not serve them."""
+    if kind == "sparse":
+        return "This server serves a sparse model (SparseEncoder): its vectors are at POST /embed_sparse."
+    if kind == "multi_vector":
+        return "This server serves a multi-vector model (MultiVectorEncoder): its vectors are at POST /embed_all."
+    return "This server serves a dense embedding model: POST /v1/embeddings, /embed, /embed_all or /v2/embed."
 
 
 async def _unless_client_left(batcher: Batcher, job: Job, request: Request) -> list | None:
