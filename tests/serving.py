@@ -46,6 +46,21 @@ def start_server(folder, *extra: str, launcher: tuple[str, ...] = ("-m", "st_fas
     raise TimeoutError("server did not become healthy")
 
 
+@contextlib.contextmanager
+def app_client(folder, **options):
+    """The server's app in process on a fast model of `folder` (a model of its own), through its lifespan (worker
+    started, warm-up answered): 64 inputs a request, 256 tokens an input, the key KEY."""
+    from fastapi.testclient import TestClient
+
+    from st_fastbackend import SentenceTransformer
+    from st_fastbackend.serve.app import create_app
+
+    model = SentenceTransformer(str(folder), backend="fast", device=DEVICE)
+    limits = {"max_tokens_per_batch": 4096, "max_batch_size": 64, "max_input_tokens": 256, **options}
+    with TestClient(create_app(model, "tiny", api_key=KEY, **limits)) as client:
+        yield client
+
+
 def open_socket(url: str) -> socket.socket:
     host, port = url.removeprefix("http://").split(":")
     return socket.create_connection((host, int(port)), timeout=20)

@@ -9,13 +9,11 @@ import numpy as np
 import pytest
 import torch
 from builders import make_texts
-from fastapi.testclient import TestClient
 from helpers import DEVICE, TOLERANCE, max_diff
 from sentence_transformers import quantize_embeddings
-from serving import HEADERS, KEY, metric, start_server
+from serving import HEADERS, KEY, app_client, metric, start_server
 
 from st_fastbackend import SentenceTransformer
-from st_fastbackend.serve.app import create_app
 
 TEXTS = [t for t in make_texts(24, seed=9) if t and len(t.split()) < 120]  # none over the 256-token limit
 LONG = " ".join(TEXTS)  # over 256 tokens
@@ -35,9 +33,7 @@ def model(folder):
 
 @pytest.fixture(scope="module")
 def client(folder):
-    served = SentenceTransformer(str(folder), backend="fast", device=DEVICE)
-    app = create_app(served, "tiny", max_tokens_per_batch=4096, max_batch_size=64, max_input_tokens=256, api_key=KEY)
-    with TestClient(app) as client:
+    with app_client(folder) as client:
         yield client
 
 

@@ -6,14 +6,12 @@ import numpy as np
 import pytest
 import torch
 from builders import make_texts
-from fastapi.testclient import TestClient
 from helpers import DEVICE, TOLERANCE, max_diff
-from serving import HEADERS, KEY, metric, start_server
+from serving import HEADERS, KEY, app_client, metric, start_server
 
 import st_fastbackend
 from st_fastbackend import SentenceTransformer
 from st_fastbackend.serve import tei
-from st_fastbackend.serve.app import create_app
 from st_fastbackend.serve.tokens import max_text_chars
 
 TEXTS = [t for t in make_texts(24, seed=7) if t and len(t.split()) < 120]  # none over the 256-token limit
@@ -28,9 +26,7 @@ def model(served_folder):
 
 @pytest.fixture(scope="module")
 def client(served_folder):
-    served = SentenceTransformer(str(served_folder), backend="fast", device=DEVICE)
-    app = create_app(served, "tiny", max_tokens_per_batch=4096, max_batch_size=64, max_input_tokens=256, api_key=KEY)
-    with TestClient(app) as client:  # the lifespan: worker started, warm-up request answered
+    with app_client(served_folder) as client:
         yield client
 
 
