@@ -130,14 +130,15 @@ class RequestTokenizer:
         Face's truncation_side="left". Of a text over max_chars characters only the end is read, from a word on:
         the tokens after that word are the whole text's, as each tokenizer here splits words at whitespace."""
         prompt, texts = prompt or "", self.embedder.texts
-        whole, settled = None, 0  # the tokens starting at character `settled` on are the whole text's
+        settled = 0  # the tokens starting at character `settled` on are the whole text's
         if len(text) > self.max_chars:
             begin = _WORD.search(text, len(text) - self.max_chars)
             if (gap := begin and _SPACE.search(text, begin.start())) is None:
                 raise InputError(f"Input {index} ({len(text):,} characters): no word begins in its last "
                                  f"{self.max_chars:,} characters to cut it at ({self._bound()}).")  # fmt: skip
             settled = len(prompt) + gap.start() - begin.start()
-            start = texts.whole(prompt + _FIRST_WORD.match(text).group())  # how the whole text begins
+            # How the whole text begins: the prompt's last token may merge with its first word
+            start = texts.whole(prompt + _FIRST_WORD.match(text, 0, self.max_chars).group())
             whole = texts.whole(prompt + text[begin.start() :])
         else:
             start = whole = texts.whole(prompt + text)
