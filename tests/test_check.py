@@ -125,3 +125,32 @@ def test_int8_is_within_its_bound(st_model):
     assert report.passed and not report.exact and "Linear layers int8" in report.ran
     assert all(case.bound == INT8_ONE_MINUS_COS and case.max_diff > EXACT for case in report.cases)
     assert np.isfinite([case.measured for case in report.cases]).all()
+
+
+@pytest.mark.parametrize("kind", ["SparseEncoder", "MultiVectorEncoder"])
+def test_check_sparse_and_multi_vector(tmp_path, kind, capsys, monkeypatch):
+    """The CLI picks the class from the folder and compares its own outputs: SPLADE's rows, ColBERT's token vectors;
+    and fails where they are off (SPLADE's values scaled, a pack's first token not scored)."""
+    from hybrid_builders import build_colbert, build_splade
+
+    from st_fastbackend.modules import multi_vector, splade
+
+    folder = build_splade(tmp_path, "bert") if kind == "SparseEncoder" else build_colbert(tmp_path, "bert")
+    main(["check", str(folder), "--device", DEVICE])  # exit status 1 (SystemExit) where a case fails
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith("EXACT"), out
+    if kind == "SparseEncoder":
+        activate = splade.PackedSpladePooling._activate
+        monkeypatch.setattr(splade.PackedSpladePooling, "_activate", lambda self, x: activate(self, x).pow_(1.01))
+    else:
+        masked = multi_vector.PackedMultiVectorMask.forward
+
+        def first_dropped(self, features, task=None):
+            features = masked(self, features, task)
+            features["scoring_mask"][0] = False
+            return features
+
+        monkeypatch.setattr(multi_vector.PackedMultiVectorMask, "forward", first_dropped)
+    with pytest.raises(SystemExit) as exited:
+        main(["check", str(folder), "--device", DEVICE])
+    assert exited.value.code == 1 and capsys.readouterr().out.startswith("NOT EXACT")

@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from st_fastbackend.cli.files import CliError, read_texts
-from st_fastbackend.cli.options import first_line, load_model
+from st_fastbackend.cli.options import EMBEDDING_KINDS, first_line, load_model
 from st_fastbackend.cli.rerank import load_cross_encoder, serves_rerank
 
 
@@ -27,7 +27,7 @@ def check(args: argparse.Namespace) -> None:
         texts = [text for text in read_texts(args.texts) if text]
         if not texts:
             raise CliError(f"--texts {args.texts} has no texts")
-    model = load_cross_encoder(args) if serves_rerank(args) else load_model(args)
+    model = load_cross_encoder(args) if serves_rerank(args) else load_model(args, kinds=EMBEDDING_KINDS)
     try:
         report = model.check(texts)
     except Exception as error:  # a line without a tab for a cross-encoder, plain failing to load: one line

@@ -56,6 +56,11 @@ def model_kwargs(args: argparse.Namespace) -> dict:
     return kwargs
 
 
+# The model classes the embedding commands load (by the name config_sentence_transformers.json gives); a
+# CrossEncoder is cli/rerank.py's.
+EMBEDDING_KINDS = ("SentenceTransformer", "SparseEncoder", "MultiVectorEncoder")
+
+
 def load_model(args: argparse.Namespace, backend: str = "fast", kinds: tuple[str, ...] = ("SentenceTransformer",)):
     """The model, or a one-line CliError: missing folder, a folder that is not a model, a model class the command
     does not take (`kinds`: the ones it does, by the name config_sentence_transformers.json gives), any load

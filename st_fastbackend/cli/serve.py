@@ -11,12 +11,11 @@ import sys
 from pathlib import Path
 
 from st_fastbackend.cli.files import CliError
-from st_fastbackend.cli.options import describe, load_model, positive
+from st_fastbackend.cli.options import EMBEDDING_KINDS, describe, load_model, positive
 from st_fastbackend.cli.rerank import load_cross_encoder, serves_rerank
 from st_fastbackend.serve.limits import ConnectionLimits, Limits
 
 logger = logging.getLogger("st_fastbackend.serve")
-SERVED_KINDS = ("SentenceTransformer", "SparseEncoder", "MultiVectorEncoder")  # and CrossEncoder: cli/rerank.py
 
 
 def add_serve(serve: argparse.ArgumentParser) -> None:
@@ -68,7 +67,7 @@ def serve(args: argparse.Namespace) -> None:
     from st_fastbackend.serve.app import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)-9s %(name)s: %(message)s")
-    model = load_cross_encoder(args) if serves_rerank(args) else load_model(args, kinds=SERVED_KINDS)
+    model = load_cross_encoder(args) if serves_rerank(args) else load_model(args, kinds=EMBEDDING_KINDS)
     max_input_tokens = args.max_input_tokens or model.max_seq_length
     if max_input_tokens > model.max_seq_length:
         raise CliError(f"--max-input-tokens {max_input_tokens} exceeds max_seq_length {model.max_seq_length}")

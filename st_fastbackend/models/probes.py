@@ -118,6 +118,40 @@ class Scores(Probing):
         return np.asarray(scores, dtype=np.float64).reshape(len(case.inputs), -1)
 
 
+class SparseVectors(Probing):
+    """A SparseEncoder's rows as dense vectors, unit length (as embeddings are compared)."""
+
+    def outputs(self, model, case: Case) -> np.ndarray:
+        rows = model.encode(case.inputs, batch_size=32, show_progress_bar=False, convert_to_tensor=True,
+                            convert_to_sparse_tensor=False, **case.options)  # fmt: skip
+        rows = rows.double().cpu().numpy()
+        return rows / np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), 1e-12)
+
+
+class TokenVectors(Probing):
+    """A MultiVectorEncoder's per-text [n_i, dim] vectors (as documents): per text the worst of its tokens; a text
+    whose scored tokens differ in number fails outright."""
+
+    output = "unit-norm token vectors"
+
+    def outputs(self, model, case: Case) -> list[np.ndarray]:
+        rows = model.encode(case.inputs, batch_size=32, show_progress_bar=False, convert_to_numpy=True,
+                            **case.options)  # fmt: skip
+        rows = [np.asarray(r, dtype=np.float64) for r in rows]
+        return [r / np.maximum(np.linalg.norm(r, axis=1, keepdims=True), 1e-12) for r in rows]
+
+    def errors(self, ours, reference) -> tuple[np.ndarray, np.ndarray | None]:
+        diffs, cosines = [], []
+        for mine, theirs in zip(ours, reference, strict=True):
+            if mine.shape != theirs.shape or not len(mine):
+                diffs.append(np.inf if mine.shape != theirs.shape else 0.0)
+                cosines.append(np.inf if mine.shape != theirs.shape else 0.0)
+                continue
+            diffs.append(np.nan_to_num(np.abs(mine - theirs), nan=np.inf).max())
+            cosines.append(np.nan_to_num(np.maximum(1 - (mine * theirs).sum(axis=1), 0), nan=np.inf).max())
+        return np.array(diffs), np.array(cosines)
+
+
 def _pair(line: str, index: int) -> tuple[str, str]:
     if "\t" not in line:
         raise ValueError(f"line {index + 1} of the texts has no tab: a cross-encoder is checked on query<TAB>document")
@@ -128,6 +162,8 @@ def _pair(line: str, index: int) -> tuple[str, str]:
 PROBING: dict[type, Probing] = {
     sentence_transformers.SentenceTransformer: Embeddings(),
     sentence_transformers.CrossEncoder: Scores(),
+    sentence_transformers.SparseEncoder: SparseVectors(),
+    sentence_transformers.MultiVectorEncoder: TokenVectors(),
 }
 
 
