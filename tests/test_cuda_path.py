@@ -107,3 +107,23 @@ def test_rotary_tables_reach_the_device_once():
             rotary(positions, torch.bfloat16)
     assert counted.copies == 1
     assert "_on_device" not in rotary.__getstate__()  # a pickled model carries no copy on a device
+
+
+@pytest.mark.parametrize("name", ["torch 2.11", "flash-attn 2.8"])
+def test_unattended_query_expansion_through_the_kernels(standin, tmp_path, case_texts, name):
+    """ColBERT's attend=False on the kernel path: the attended keys gathered, the kernel given their own cu_seqlens;
+    bf16 queries within bf16's error of the SDPA path's, which matches plain at fp32 (test_multi_vector_encoder)."""
+    from hybrid_builders import build_colbert
+
+    from st_fastbackend import MultiVectorEncoder
+
+    folder = build_colbert(tmp_path, "bert", query_expansion={"strategy": "fixed", "attend": False, "length": 24})
+    bf16 = {"dtype": torch.bfloat16}
+    on_cpu = MultiVectorEncoder(str(folder), backend="fast", device=DEVICE, model_kwargs=bf16).encode_query(case_texts)
+    standin(name)
+    fast = MultiVectorEncoder(str(folder), backend="fast", device=DEVICE, model_kwargs=bf16)
+    assert fast[0].attention_kernel != "sdpa_loop"
+    through = fast.encode_query(case_texts)
+    assert kernel_standins.Calls.count > 0 and kernel_standins.Calls.longer_keys > 0
+    for a, b in zip(on_cpu, through, strict=True):
+        assert a.shape == b.shape and max_diff(a, b) <= 2e-2

@@ -86,7 +86,18 @@ def test_save_loads_in_plain(tmp_path, texts):
     assert_same(plain.encode_query(texts[:6]), fast.encode_query(texts[:6]))
 
 
-def test_unattended_expansion_is_refused(tmp_path):
-    folder = build_colbert(tmp_path, "bert", query_expansion={**EXPANSION, "attend": False})
+@pytest.mark.parametrize("family", FAMILIES)
+def test_unattended_query_expansion(tmp_path, texts, family):
+    """Classic ColBERT (attend=False): expansion tokens attend to the query, nothing attends to them."""
+    folder = build_colbert(tmp_path, family, query_expansion={**EXPANSION, "attend": False})
+    plain, fast = load_both(folder)
+    assert_same(plain.encode_query(texts[:24]), fast.encode_query(texts[:24]))
+    attended = MultiVectorEncoder(str(build_colbert(tmp_path / "attended", family, query_expansion=EXPANSION)),
+                                  backend="fast", device=DEVICE)  # fmt: skip
+    assert max_diff(plain.encode_query(texts[1]), attended.encode_query(texts[1])) > 1e-3  # "a": mostly expansion
+
+
+def test_unattended_expansion_on_a_decoder_is_refused(tmp_path):
+    folder = build_colbert(tmp_path, "qwen3", query_expansion={**EXPANSION, "attend": False})
     with pytest.raises(UnsupportedModelError, match="attend=False"):
         MultiVectorEncoder(str(folder), backend="fast", device=DEVICE)

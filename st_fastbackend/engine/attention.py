@@ -18,6 +18,7 @@ from torch import Tensor
 
 from st_fastbackend.engine.batch import PackedBatch
 from st_fastbackend.engine.runtime import Runtime
+from st_fastbackend.engine.spec import UnsupportedModelError
 
 
 def varlen_attention(
@@ -35,6 +36,13 @@ def varlen_attention(
     """`keys`: (cu_seqlens, max_seqlen) of k and v where they are not the queries' (texts after a prompt
     computed once: engine/prefix.py), causal only; both kernels align a shorter query sequence with the end
     of its keys (flash-attn >= 2.1's rule, which PyTorch's copy of the kernel follows)."""
+    if batch.attended is not None:  # tokens that attend but are not attended to (ColBERT's query expansion)
+        if causal or keys is not None:
+            raise UnsupportedModelError("Unattended tokens (query_expansion attend=False) with causal attention")
+        if window_cuts(window, batch.max_seqlen) or not kernel_takes(q, runtime, cuts=False):  # masks per run
+            return sdpa_attention(q, k, v, batch, causal=False, window=window, runtime=runtime, scale=scale)
+        keep, cu_attended, longest = batch.attended_keys()
+        k, v, keys, window = k[keep], v[keep], (cu_attended, longest), None
     cu, n = batch.cu_seqlens, batch.max_seqlen
     cu_k, n_k = keys if keys is not None else (cu, n)
     cuts = window_cuts(window, n_k)
@@ -112,7 +120,7 @@ def sdpa_attention(
         before, prefix_k, prefix_v = prefix_k.shape[0], prefix_k.transpose(0, 1), prefix_v.transpose(0, 1)
     out = torch.empty_like(q)
     grouped = q.shape[1] != k.shape[1]
-    start = 0
+    start, first = 0, 0  # the run's first token and first sequence
     for length, count in _equal_length_runs(batch.lengths):
         end = start + length * count
         # [n*L, H, D] -> [n, L, H, D] -> [n, H, L, D]
@@ -121,11 +129,15 @@ def sdpa_attention(
             ki = torch.cat((prefix_k.expand(count, -1, -1, -1), ki), dim=2)
             vi = torch.cat((prefix_v.expand(count, -1, -1, -1), vi), dim=2)
         mask = _mask(length, before, window, causal, q.device)
+        if batch.attended is not None:  # [n, 1, 1, L]: each sequence's keys up to its attended count
+            limits = torch.tensor(batch.attended[first : first + count], device=q.device)
+            attended = (torch.arange(length, device=q.device)[None, :] < limits[:, None])[:, None, None, :]
+            mask = attended if mask is None else mask & attended
         oi = F.scaled_dot_product_attention(
             qi, ki, vi, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=grouped, scale=scale
         )
         out[start:end].view(count, length, q.shape[1], q.shape[2]).copy_(oi.transpose(1, 2))  # -> [n, L, H, D]
-        start = end
+        start, first = end, first + count
     return out.to(dtype)
 
 

@@ -23,6 +23,9 @@ class PackedBatch:
     max_seqlen: int
     lengths: tuple[int, ...]  # the same boundaries, kept on the CPU so loops never call .item()
     token_type_ids: Tensor | None = None  # [T] int64, a pair's segments (BERT); None: segment 0 everywhere
+    # Per sequence, how many of its first tokens are attended to; the rest only attend (ColBERT's query expansion
+    # tokens with attend=False: engine/attention.py). None: every token.
+    attended: tuple[int, ...] | None = None
 
     @classmethod
     def from_sequences(
@@ -57,6 +60,17 @@ class PackedBatch:
         counts = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()
         index = torch.arange(self.num_sequences, device=self.cu_seqlens.device)
         return torch.repeat_interleave(index, counts, output_size=self.num_tokens)
+
+    def attended_keys(self) -> tuple[Tensor, Tensor, int]:
+        """With `attended`: the positions of the attended tokens [K], their cu_seqlens [B+1] and the longest count."""
+        device = self.cu_seqlens.device
+        counts = torch.tensor(self.attended, device=device)
+        cu = torch.zeros(len(counts) + 1, dtype=torch.int32, device=device)
+        cu[1:] = counts.cumsum(0)
+        total = sum(self.attended)
+        within = torch.arange(total, device=device) - cu[:-1].long().repeat_interleave(counts, output_size=total)
+        starts = self.cu_seqlens[:-1].long().repeat_interleave(counts, output_size=total)
+        return starts + within, cu, max(self.attended)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
         """On a GPU, non_blocking copies go through pinned memory so they never wait for the GPU's queue."""

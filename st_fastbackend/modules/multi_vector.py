@@ -4,13 +4,15 @@ tokens [T, dim] as they are.
 
 PackedMultiVectorTransformer stands in for sentence-transformers' Transformer with `query_length`,
 `document_length` and `query_expansion`: a query is cut at its length; with expansion, a query shorter than
-the expansion length gets expansion tokens (the tokenizer's mask token, else its EOS) up to it, which every
-token attends to (`attend=True`). Classic ColBERT's `attend=False` (expansion tokens that attend but are not
-attended to) is refused: the packed kernels take one key set per sequence.
+the expansion length gets expansion tokens (the tokenizer's mask token, else its EOS) up to it. With
+`attend=True` every token attends to them; with classic ColBERT's `attend=False` they attend to the query's own
+tokens but nothing attends to them (PackedBatch.attended: engine/attention.py keeps them out of the keys), on
+the encoders (a decoder's causal attention is refused with it).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -18,6 +20,7 @@ from sentence_transformers.base.modules import Transformer
 from sentence_transformers.base.modules.transformer import _normalize_query_expansion
 from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask
 
+from st_fastbackend.engine.encoder import Encoder, ModernBert
 from st_fastbackend.engine.spec import UnsupportedModelError
 from st_fastbackend.modules.options import module_config
 from st_fastbackend.modules.transformer import PackedTransformer
@@ -33,8 +36,9 @@ class PackedMultiVectorTransformer(PackedTransformer):
         super().__init__(model_name_or_path, **kwargs)
         self.query_length, self.document_length = query_length, document_length
         self.query_expansion = _normalize_query_expansion(query_expansion)
-        if self.query_expansion is not None and not self.query_expansion["attend"]:
-            raise UnsupportedModelError("query_expansion with attend=False (ColBERT's unattended expansion tokens)")
+        unattended = self.query_expansion is not None and not self.query_expansion["attend"]
+        if unattended and not isinstance(self.model, (Encoder, ModernBert)):
+            raise UnsupportedModelError(f"query_expansion with attend=False on a {self.config.model_type} (a decoder)")
         self.expansion_id = self._expansion_id()
 
     @classmethod
@@ -66,7 +70,23 @@ class PackedMultiVectorTransformer(PackedTransformer):
         sequences = self.texts.encode(texts, prompt, length, first_index)
         if expansion is None or self.expansion_id is None:
             return sequences
-        return [ids + [self.expansion_id] * (expansion["length"] - len(ids)) for ids in sequences]
+        return [Expanded(ids, self.expansion_id, expansion) for ids in sequences]
+
+    def pack(self, sequences: list[list[int]], prompt: str | None = None, prefix=None) -> dict:
+        features = super().pack(sequences, prompt, prefix)
+        if any(getattr(ids, "attended", None) is not None for ids in sequences):
+            attended = tuple(getattr(ids, "attended", None) or len(ids) for ids in sequences)
+            features["packed"] = replace(features["packed"], attended=attended)
+        return features
+
+
+class Expanded(list):
+    """A query's token ids and its expansion tokens up to the expansion length; `attended`: with attend=False, how
+    many of them (the query's own) the others attend to, else None."""
+
+    def __init__(self, ids: list[int], expansion_id: int, expansion: dict) -> None:
+        super().__init__(ids + [expansion_id] * (expansion["length"] - len(ids)))
+        self.attended = None if expansion["attend"] else len(ids)
 
 
 class PackedMultiVectorMask(MultiVectorMask):
