@@ -11,7 +11,10 @@ from serving import HEADERS, KEY, app_client, metric, start_server
 
 import st_fastbackend
 from st_fastbackend import SentenceTransformer
+from st_fastbackend.embedder import Embedder
 from st_fastbackend.serve import tei
+from st_fastbackend.serve.batcher import Batcher, Job
+from st_fastbackend.serve.metrics import Metrics
 from st_fastbackend.serve.tokens import max_text_chars
 
 TEXTS = [t for t in make_texts(24, seed=7) if t and len(t.split()) < 120]  # none over the 256-token limit
@@ -202,3 +205,23 @@ def test_live_server(served_folder, model):
     finally:
         process.terminate()
         process.wait(30)
+
+
+def test_one_pack_serves_sentence_and_token_embeddings(model):
+    """Jobs asking for different outputs share a pack (the forward pass is the same); each gets its own rows."""
+    metrics = Metrics()
+    batcher = Batcher(Embedder(model), max_tokens_per_batch=4096, max_batch_size=64, metrics=metrics)
+    ids = model[0].texts.encode(TEXTS[:6])
+    jobs = [Job(ids[:3], None), Job(ids[3:], None, output="token_embeddings")]
+    for job in jobs:  # both waiting when the worker starts: taken together, run in one pack
+        batcher.submit(job)
+    batcher.start()
+    try:
+        sentence, tokens = (job.future.result(120) for job in jobs)
+    finally:
+        batcher.stop()
+    assert metrics.registry.get_sample_value("embedding_batch_texts_count") == 1
+    assert max_diff([row for row, _ in sentence], model.encode(TEXTS[:3])) <= TOLERANCE
+    expected = model.encode(TEXTS[3:6], output_value="token_embeddings")
+    assert [n for _, n in tokens] == [len(e) for e in expected]
+    assert max(max_diff(row, e) for (row, _), e in zip(tokens, expected, strict=True)) <= TOLERANCE
