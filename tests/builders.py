@@ -176,6 +176,7 @@ PAIR_TEMPLATES = {
     "roberta": ("<s> $A </s>", "<s> $A </s> </s> $B </s>"),
     "xlm-roberta": ("<s> $A </s>", "<s> $A </s> </s> $B </s>"),
     "modernbert": ("<s> $A </s>", "<s> $A </s> $B </s>"),
+    "distilbert": ("<s> $A </s>", "<s> $A </s> $B </s>"),  # no token types
 }
 DECODER_PAIR_TEMPLATE = ("<s> $A", "<s> $A $B")
 

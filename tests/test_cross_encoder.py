@@ -18,6 +18,7 @@ HEADS = {
     # Positions from padding_idx + 1 (pad id 3 here): room for 512 tokens, as bge-reranker's 514 for pad id 1.
     "roberta": ("roberta", {"max_position_embeddings": 516}),
     "xlm-roberta (bge-reranker)": ("xlm-roberta", {"max_position_embeddings": 516}),
+    "distilbert (pre_classifier)": ("distilbert", {}),
     "modernbert cls": ("modernbert", {"classifier_pooling": "cls"}),
     "modernbert mean": ("modernbert", {"classifier_pooling": "mean"}),
     "qwen2 score": ("qwen2", {}),

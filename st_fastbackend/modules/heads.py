@@ -3,8 +3,8 @@ of transformers' *ForSequenceClassification classes, one per family, as data (ar
 
 Each head reads the checkpoint tensors it `owns` (the body skips them; engine/weights.py) and turns a pack's
 hidden states into logits [B, num_labels], picking the tokens its transformers class picks: the first token
-(BERT, RoBERTa, ModernBERT "cls"), the mean of each sequence (ModernBERT "mean"), the last token that is not
-padding (the decoders' GenericForSequenceClassification).
+(BERT, RoBERTa, DistilBERT, ModernBERT "cls"), the mean of each sequence (ModernBERT "mean"), the last token that
+is not padding (the decoders' GenericForSequenceClassification).
 """
 
 from __future__ import annotations
@@ -74,6 +74,20 @@ class RobertaHead(Head):
         return self.classifier["out_proj"](x)
 
 
+class DistilBertHead(Head):
+    """DistilBertForSequenceClassification: pre_classifier + ReLU on [CLS], then the classifier."""
+
+    owns = ("pre_classifier.", "classifier.")
+
+    def __init__(self, config: PretrainedConfig, prefixes: tuple[str, ...]) -> None:
+        super().__init__(prefixes)
+        self.pre_classifier = nn.Linear(config.dim, config.dim)
+        self.classifier = nn.Linear(config.dim, config.num_labels)
+
+    def forward(self, h: Tensor, packed: PackedBatch) -> Tensor:
+        return self.classifier(torch.relu(self.pre_classifier(first_tokens(h, packed))))
+
+
 class ModernBertHead(Head):
     """ModernBertForSequenceClassification: pool (classifier_pooling cls or mean), dense, act, norm, classifier."""
 
@@ -127,6 +141,7 @@ HEADS: dict[str, type[Head]] = {
     "BertForSequenceClassification": BertHead,
     "RobertaForSequenceClassification": RobertaHead,
     "XLMRobertaForSequenceClassification": RobertaHead,
+    "DistilBertForSequenceClassification": DistilBertHead,
     "ModernBertForSequenceClassification": ModernBertHead,
     "LlamaForSequenceClassification": ScoreHead,
     "MistralForSequenceClassification": ScoreHead,
