@@ -22,6 +22,7 @@ from st_fastbackend.cli.options import (
     load_model,
     model_kwargs,
     positive,
+    saved_model_type,
 )
 from st_fastbackend.integrations.ray_pool import STALL_TIMEOUT, PoolError, worker_gpus
 
@@ -46,7 +47,8 @@ def add_embed_corpus(commands, formatter_class) -> None:
     corpus.add_argument("--matmul-precision", default=None, choices=MATMUL_PRECISIONS, help=MATMUL_HELP)
     corpus.add_argument("--shard-rows", type=positive, default=10_000, help="rows per output shard")
     corpus.add_argument("--quantize", default=None, choices=["int8"], help=QUANTIZE_HELP)
-    corpus.add_argument("--output-dtype", default="float32", choices=("float32", "float16"), help="of the embeddings")
+    corpus.add_argument("--output-dtype", default="float32", choices=("float32", "float16"),
+                        help="of the embeddings (a sparse model's values, a multi-vector one's vectors)")  # fmt: skip
     corpus.add_argument("--skip-invalid", action="store_true",
                         help="list rows whose id or text is null, or whose text is not a string, in rejects.parquet, "
                              "not stop")  # fmt: skip
@@ -90,13 +92,14 @@ def embed_corpus(args: argparse.Namespace) -> None:
 
     if importlib.util.find_spec("pyarrow") is None:
         raise CliError("embed-corpus reads and writes through pyarrow: pip install pyarrow")
+    kind = _output_kind(args)
     _check_ray_options(args)
     args.chunking = _chunking(args)
     check_model(args.model)
     try:
         scan = scan_input(input_files(args.input), Columns(args.id_column, args.text_column), not args.skip_invalid,
                           not args.skip_duplicate_ids)  # fmt: skip
-        folder = _output_folder(args, scan)
+        folder = _output_folder(args, scan, kind)
         with folder_lock(folder.path):  # held until the job ends: one job per folder
             rejected = 0 if scan.rejects is None else scan.rejects.num_rows
             done = folder.prepare(scan.rows - rejected, output_width(args.model))
@@ -107,15 +110,36 @@ def embed_corpus(args: argparse.Namespace) -> None:
         raise CliError(str(error)) from error
 
 
-def _output_folder(args: argparse.Namespace, scan):
-    """The folder with the identity of this job: everything its rows depend on."""
+def _output_folder(args: argparse.Namespace, scan, kind):
+    """The folder with the identity of this job: everything its rows depend on (the model's files say its kind)."""
     from st_fastbackend.corpus.identity import model_identity
     from st_fastbackend.corpus.output import JobSpec, OutputFolder, model_name
 
     spec = JobSpec(model_name(args.model), model_identity(args.model), scan.fingerprint, args.id_column,
                    args.text_column, args.prompt, args.prompt_name, args.output_dtype, args.max_seq_length, args.dtype,
                    args.matmul_precision, args.chunking, args.quantize)  # fmt: skip
-    return OutputFolder(args.output_dir, spec)
+    return OutputFolder(args.output_dir, spec, kind)
+
+
+def _output_kind(args: argparse.Namespace):
+    """The rows the model's class gives (output.py's OUTPUT_KINDS), read from its folder before it loads; what the
+    job cannot do with a sparse or multi-vector model is refused now."""
+    from st_fastbackend.corpus.output import DENSE, OUTPUT_KINDS
+
+    model_class = saved_model_type(args.model) or "SentenceTransformer"
+    if model_class not in OUTPUT_KINDS:
+        raise CliError(f"{args.model} is a {model_class}; embed-corpus takes {', '.join(OUTPUT_KINDS)} models")
+    kind = OUTPUT_KINDS[model_class]
+    if kind == DENSE:
+        return kind
+    if args.ray:
+        raise CliError(f"--ray embeds with SentenceTransformer models only; {args.model} is a {model_class}: "
+                       f"run the job on this machine (without --ray), which writes its {' and '.join(kind.columns)} "
+                       "columns")  # fmt: skip
+    if args.chunk_tokens is not None:  # its other options need it (_chunking)
+        raise CliError(f"--chunk-tokens cuts a SentenceTransformer's documents into chunks; {args.model} is a "
+                       f"{model_class}: embed each document whole (--max-seq-length truncates it)")  # fmt: skip
+    return kind
 
 
 def _chunking(args: argparse.Namespace) -> dict | None:
@@ -156,12 +180,13 @@ def _check_ray_options(args: argparse.Namespace) -> None:
 
 
 def _run_local(args, scan, folder, done) -> None:
-    from st_fastbackend.corpus.job import TextEmbedder, run_local
+    from st_fastbackend.corpus.job import embedder_for, run_local
+    from st_fastbackend.corpus.output import OUTPUT_KINDS
     from st_fastbackend.models.chunking import Chunking
 
-    model = load_model(args)
+    model = load_model(args, kinds=tuple(OUTPUT_KINDS))
     try:
-        embed = TextEmbedder(model, prompt=args.prompt, prompt_name=args.prompt_name, batch_size=args.batch_size,
+        embed = embedder_for(model, prompt=args.prompt, prompt_name=args.prompt_name, batch_size=args.batch_size,
                              max_tokens_per_batch=args.max_tokens_per_batch,
                              chunking=Chunking(**args.chunking) if args.chunking else None)  # fmt: skip
     except ValueError as error:  # an unknown prompt name

@@ -1,11 +1,12 @@
 """The corpus job on one machine: the rows still to embed, streamed from the input a shard at a time, run
-through the one packing schedule (embedder.py, engine/schedule.py), each shard written whole or not at all
-(corpus_output.py). The Ray job (corpus_ray.py) uses the same pieces on its workers."""
+through the one packing schedule (embedder.py, engine/schedule.py; a SparseEncoder's or MultiVectorEncoder's
+encode_document runs it too), each shard written whole or not at all (output.py). The Ray job (on_ray.py) uses
+the same pieces on its workers."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +15,7 @@ import pyarrow as pa
 import torch
 from tqdm.auto import tqdm
 
-from st_fastbackend.corpus.output import OutputFolder, new_run_name
+from st_fastbackend.corpus.output import MultiVectorRows, OutputFolder, SparseRows, new_run_name
 from st_fastbackend.corpus.read import (
     Columns,
     CorpusError,
@@ -79,6 +80,71 @@ class TextEmbedder:
         return np.concatenate([c.embeddings for c in found]).astype(np.float32), tokens, columns
 
 
+def sparse_rows(found: torch.Tensor) -> SparseRows:
+    """encode_document's sparse [n, dim] tensor as each row's active dimensions, ascending."""
+    found = found.coalesce().cpu()  # its indices sorted by (row, dimension)
+    rows, dimensions = found.indices().numpy()
+    offsets = np.searchsorted(rows, np.arange(found.shape[0] + 1))  # the first entry of each row
+    return SparseRows(offsets, dimensions, found.values().float().numpy(), found.shape[1])
+
+
+def multi_vector_rows(found: list[torch.Tensor]) -> MultiVectorRows:
+    """encode_document's [n_i, dim] token vectors of each text, one after the other."""
+    offsets = np.cumsum([0, *(len(vectors) for vectors in found)])
+    return MultiVectorRows(offsets, torch.cat(found).float().cpu().numpy())
+
+
+@dataclass(frozen=True)
+class DocumentRows:
+    """What a SparseEncoder's or MultiVectorEncoder's encode_document gives, as the rows output.py writes, and
+    the token ids it runs for each text (with `prompt`)."""
+
+    rows: Callable[[Any], Any]
+    tokens: Callable[[Any, list[str], str | None], list[list[int]]]  # (model.packed_input, texts, prompt)
+
+
+DOCUMENT_ROWS = {
+    "SparseEncoder": DocumentRows(sparse_rows, lambda packed, texts, prompt: packed.texts.encode(texts, prompt)),
+    "MultiVectorEncoder": DocumentRows(
+        multi_vector_rows, lambda packed, texts, prompt: packed.encode_task(texts, prompt, "document", 0)
+    ),
+}
+DOCUMENT_PROMPTS = ("document", "passage", "corpus")  # encode_document's prompt names, first found used
+
+
+class DocumentEmbedder:
+    """Texts -> the rows of a SparseEncoder or MultiVectorEncoder as its encode_document() gives them (task
+    "document"; without a prompt or prompt name, the model's first of DOCUMENT_PROMPTS, else its default), and
+    each text's tokens. A text without any token raises NoTokensError (its position)."""
+
+    chunking = None  # chunks are a SentenceTransformer's (the command refuses --chunk-tokens for these)
+
+    def __init__(self, model, *, prompt: str | None = None, prompt_name: str | None = None, batch_size: int = 32,
+                 max_tokens_per_batch: int | None = None) -> None:  # fmt: skip
+        model.eval()
+        self.model, self.kind = model, DOCUMENT_ROWS[type(model).__name__]
+        if prompt is None and prompt_name is None:
+            prompt_name = next((name for name in DOCUMENT_PROMPTS if name in model.prompts), None)
+        self.prompt = model._resolve_prompt(prompt, prompt_name) or None  # ValueError for an unknown name
+        self.dimension = model.get_embedding_dimension()
+        self.batch_size = batch_size
+        self.max_tokens = max_tokens_per_batch or model.max_tokens_per_batch
+
+    @torch.inference_mode()
+    def __call__(self, texts: list[str]) -> tuple[Any, np.ndarray]:
+        tokens = self.kind.tokens(self.model.packed_input, texts, self.prompt)  # first: a text without tokens
+        found = self.model.encode_document(texts, prompt=self.prompt or "", batch_size=self.batch_size,
+                                           show_progress_bar=False, max_tokens_per_batch=self.max_tokens)  # fmt: skip
+        return self.kind.rows(found), np.array([len(ids) for ids in tokens], np.int64)
+
+
+def embedder_for(model, *, chunking: Chunking | None = None, **options) -> TextEmbedder | DocumentEmbedder:
+    """The embedder of the model's class (options: prompt, prompt_name, batch_size, max_tokens_per_batch)."""
+    if type(model).__name__ in DOCUMENT_ROWS:
+        return DocumentEmbedder(model, **options)
+    return TextEmbedder(model, chunking=chunking, **options)
+
+
 def pending_rows(scan: InputScan, columns: Columns, done: pa.Array | None) -> Iterator[pa.RecordBatch]:
     """The input's rows that can be embedded and are not in a complete shard yet, in input order."""
     skip = ids_to_skip(scan, done)
@@ -103,7 +169,7 @@ class Progress:
         return self.tokens / max(time.perf_counter() - self.started, 1e-9)
 
 
-def run_local(scan: InputScan, folder: OutputFolder, done: pa.Array | None, embed: TextEmbedder,
+def run_local(scan: InputScan, folder: OutputFolder, done: pa.Array | None, embed: TextEmbedder | DocumentEmbedder,
               shard_rows: int) -> Progress:  # fmt: skip
     """Embed every pending row a shard at a time (`done`: from folder.prepare()); the manifest is written once
     all are done."""

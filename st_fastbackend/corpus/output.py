@@ -1,5 +1,7 @@
-"""The corpus job's output folder: parquet shards (the id column and `embedding`), a record of each one's size and
-sha256, rejects.parquet, and manifest.json written last.
+"""The corpus job's output folder: parquet shards (the id column and the rows' columns, by the model's kind
+(OUTPUT_KINDS): `embedding`, a fixed-size list per row or a list of them per row of a multi-vector model, or a
+sparse model's `indices` and `values`), a record of each one's size and sha256, rejects.parquet, and manifest.json
+written last.
 
 A shard is written under a hidden temporary name and renamed when complete, its record (.part-*.parquet.json)
 written just before, so a run killed at any moment leaves only temporary files and records without a shard,
@@ -16,8 +18,10 @@ import json
 import os
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -55,6 +59,64 @@ class JobSpec:
     quantize: str | None = None  # --quantize (int8 products give other numbers); None for folders from before it
 
 
+@dataclass(frozen=True)
+class SparseRows:
+    """A SparseEncoder's rows: row i's active dimensions (ascending, of `dimension`) are
+    indices[offsets[i] : offsets[i + 1]], their values beside them."""
+
+    offsets: np.ndarray  # [n + 1]
+    indices: np.ndarray  # [active]
+    values: np.ndarray  # float32 [active]
+    dimension: int
+
+
+@dataclass(frozen=True)
+class MultiVectorRows:
+    """A MultiVectorEncoder's rows: row i's token vectors are vectors[offsets[i] : offsets[i + 1]]."""
+
+    offsets: np.ndarray  # [n + 1]
+    vectors: np.ndarray  # float32 [tokens, dimension]
+
+
+def dense_columns(rows: np.ndarray, dtype: type) -> tuple[dict[str, pa.Array], int]:
+    """`embedding`: a fixed-size list of `dimension` values per row."""
+    values = pa.array(rows.astype(dtype).reshape(-1))
+    return {"embedding": pa.FixedSizeListArray.from_arrays(values, rows.shape[1])}, rows.shape[1]
+
+
+def sparse_columns(rows: SparseRows, dtype: type) -> tuple[dict[str, pa.Array], int]:
+    """`indices` (int32) and `values`: a list per row, of the same length."""
+    offsets = pa.array(rows.offsets, pa.int32())  # an overflow (2**31 values in a shard) is an error, not a wrap
+    indices = pa.ListArray.from_arrays(offsets, pa.array(rows.indices, pa.int32()))
+    values = pa.ListArray.from_arrays(offsets, pa.array(rows.values.astype(dtype)))
+    return {"indices": indices, "values": values}, rows.dimension
+
+
+def multi_vector_columns(rows: MultiVectorRows, dtype: type) -> tuple[dict[str, pa.Array], int]:
+    """`embedding`: per row a list of its token vectors, each a fixed-size list of `dimension` values."""
+    dimension = rows.vectors.shape[1]
+    vectors = pa.FixedSizeListArray.from_arrays(pa.array(rows.vectors.astype(dtype).reshape(-1)), dimension)
+    return {"embedding": pa.ListArray.from_arrays(pa.array(rows.offsets, pa.int32()), vectors)}, dimension
+
+
+@dataclass(frozen=True)
+class OutputKind:
+    """What a model class's rows become in a shard."""
+
+    name: str  # the metadata's and manifest's "kind"; a dense folder does not say it (as before the other kinds)
+    columns: tuple[str, ...]
+    write: Callable[[Any, type], tuple[dict[str, pa.Array], int]]  # (rows, output dtype) -> (columns, dimension)
+
+
+DENSE = OutputKind("dense", ("embedding",), dense_columns)
+# The model classes the job takes, by the name config_sentence_transformers.json gives them.
+OUTPUT_KINDS = {
+    "SentenceTransformer": DENSE,
+    "SparseEncoder": OutputKind("sparse", ("indices", "values"), sparse_columns),
+    "MultiVectorEncoder": OutputKind("multi_vector", ("embedding",), multi_vector_columns),
+}
+
+
 def model_name(model: str) -> str:
     path = Path(model).expanduser()
     return str(path.resolve()) if path.is_dir() else model
@@ -66,8 +128,8 @@ def new_run_name() -> str:
 
 
 class OutputFolder:
-    def __init__(self, path: str | Path, spec: JobSpec) -> None:
-        self.path, self.spec = Path(path), spec
+    def __init__(self, path: str | Path, spec: JobSpec, kind: OutputKind = DENSE) -> None:
+        self.path, self.spec, self.kind = Path(path), spec, kind
         self.untrusted: list[str] = []  # what prepare() found bad and moved aside, one line each
 
     def shards(self) -> list[Path]:
@@ -171,22 +233,26 @@ class OutputFolder:
                 f"input and options, or start over in an empty folder (remove {self.path}, or write to another one)"
             )
 
-    def write_shard(self, name: str, ids: pa.Array, rows: np.ndarray, columns: dict | None = None) -> None:
-        """ids and their embeddings [n, dim] (and `columns` between them: a chunk's index and character span) as one
-        complete file, its size and sha256 recorded beside it first."""
-        values = pa.array(rows.astype(OUTPUT_DTYPES[self.spec.output_dtype]).reshape(-1))
-        embedding = pa.FixedSizeListArray.from_arrays(values, rows.shape[1])
-        table = pa.table({self.spec.id_column: ids, **(columns or {}), "embedding": embedding})
+    def write_shard(self, name: str, ids: pa.Array, rows, columns: dict | None = None) -> None:
+        """ids and their rows (the kind's: embeddings [n, dim], SparseRows, MultiVectorRows; `columns` between them:
+        a chunk's index and character span) as one complete file, its size and sha256 recorded beside it first."""
+        written, dimension = self.kind.write(rows, OUTPUT_DTYPES[self.spec.output_dtype])
+        table = pa.table({self.spec.id_column: ids, **(columns or {}), **written})
         sink = pa.BufferOutputStream()
-        pq.write_table(table.replace_schema_metadata(self.metadata(rows.shape[1])), sink)
+        pq.write_table(table.replace_schema_metadata(self.metadata(dimension)), sink)
         data = sink.getvalue()
         record = {"rows": len(ids), "bytes": data.size, "sha256": hashlib.sha256(data).hexdigest()}
         write_file(self.record(self.path / name), json.dumps(record).encode() + b"\n")
         write_file(self.path / name, data)
 
     def metadata(self, dimension: int) -> dict[bytes, bytes]:
-        record = {"job": asdict(self.spec), "dimension": dimension, "st_fastbackend": __version__}
+        record = {"job": asdict(self.spec), "dimension": dimension, **self._kind(), "st_fastbackend": __version__}
         return {METADATA_KEY: json.dumps(record).encode(), b"st_fastbackend.model": self.spec.model.encode()}
+
+    def _kind(self) -> dict:
+        """What the metadata and the manifest say of the rows' kind: nothing for dense rows (`embedding`, as
+        written before there were other kinds), else the kind and its columns."""
+        return {} if self.kind == DENSE else {"kind": self.kind.name, "columns": list(self.kind.columns)}
 
     def finish(self, scan: InputScan, dimension: int, prompt: str | None) -> dict:
         """rejects.parquet (if any), then the manifest, last: the job is complete."""
@@ -199,7 +265,7 @@ class OutputFolder:
         shards = [{"name": shard.name, **json.loads(self.record(shard).read_text())} for shard in self.shards()]
         rejected = 0 if scan.rejects is None else scan.rejects.num_rows
         manifest = {
-            "model": self.spec.model, "dimension": dimension, "dtype": self.spec.output_dtype,
+            "model": self.spec.model, "dimension": dimension, **self._kind(), "dtype": self.spec.output_dtype,
             "id_column": self.spec.id_column, "prompt": prompt,
             "rows": {"input": scan.rows, "embedded": sum(shard["rows"] for shard in shards), "rejected": rejected},
             "input": {"files": [str(path) for path in scan.files], "fingerprint": scan.fingerprint},
