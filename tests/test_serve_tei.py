@@ -1,12 +1,15 @@
 """text-embeddings-inference's routes (serve/tei.py) against the library's own encode() on the same folder: in process
-through the app's guard, worker and errors, then on the real server process with httpx."""
+through the app's guard, worker and errors, then on the real server process with httpx and huggingface_hub's
+InferenceClient."""
 
 import httpx
+import huggingface_hub
 import numpy as np
 import pytest
 import torch
 from builders import make_texts
 from helpers import DEVICE, TOLERANCE, max_diff
+from huggingface_hub import InferenceClient
 from serving import HEADERS, KEY, app_client, metric, start_server
 
 import st_fastbackend
@@ -41,7 +44,8 @@ def post(client, path: str, body) -> list | dict:
 
 def test_embed_equals_encode(client, model):
     expected = model.encode(TEXTS, normalize_embeddings=True)
-    assert max_diff(post(client, "/embed", {"inputs": TEXTS}), expected) <= TOLERANCE
+    for path in ("/embed", "/", "/invocations"):  # TEI answers an embedding model's root and SageMaker's path too
+        assert max_diff(post(client, path, {"inputs": TEXTS}), expected) <= TOLERANCE
     one = post(client, "/embed", {"inputs": TEXTS[3], "normalize": False})
     assert len(one) == 1 and max_diff(one[0], model.encode(TEXTS[3])) <= TOLERANCE
     query = post(client, "/embed", {"inputs": TEXTS, "prompt_name": "query"})
@@ -148,6 +152,7 @@ def test_info_says_what_runs(client, model):
     "path, body, status, error_type, fragment",
     [
         ("/embed", {"inputs": []}, 400, "Empty", "inputs is empty"),
+        ("/", {"inputs": []}, 400, "Empty", "inputs is empty"),
         ("/embed", {"inputs": ["a"] * 65}, 413, "Validation", "65 inputs"),
         ("/embed", {"inputs": 3}, 422, "Validation", "Invalid request"),
         ("/embed", '{"inputs": ', 400, "Validation", "not valid JSON"),
@@ -189,7 +194,7 @@ def test_auth_and_metrics_per_endpoint(client):
     assert client.get("/v1/nothing", headers=HEADERS).json()["error"]["message"]  # OpenAI's shape elsewhere
 
 
-def test_live_server(served_folder, model):
+def test_live_server(served_folder, model, monkeypatch):
     process, url = start_server(served_folder, "--api-key", KEY, "--max-batch-size", "32")
     try:
         with httpx.Client(base_url=url, headers=HEADERS, timeout=120) as http:
@@ -201,7 +206,14 @@ def test_live_server(served_folder, model):
             too_many = http.post("/embed", json={"inputs": ["a"] * 33})
             assert too_many.status_code == 413 and too_many.json()["error_type"] == "Validation"
             assert httpx.post(f"{url}/embed", json={"inputs": "a"}).status_code == 401
-            assert metric(url, 'embedding_requests_total{endpoint="/embed"}', HEADERS) == 2
+        # huggingface_hub's client for a TEI URL posts to its root; it refuses every request in the suite's offline
+        # mode, which is for the Hub (this one stays on the loopback)
+        hub = InferenceClient(model=url, token=KEY)
+        with monkeypatch.context() as patch:
+            patch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+            query = hub.feature_extraction(TEXTS[1], prompt_name="query", truncate=True)
+        assert max_diff(query, model.encode([TEXTS[1]], prompt_name="query", normalize_embeddings=True)) <= TOLERANCE
+        assert metric(url, 'embedding_requests_total{endpoint="/embed"}', HEADERS) == 3
     finally:
         process.terminate()
         process.wait(30)

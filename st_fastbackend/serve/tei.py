@@ -25,7 +25,8 @@ from st_fastbackend.serve.errors import ApiError
 from st_fastbackend.serve.routes import Served, check_dimensions, embed_inputs, resolve_prompt
 from st_fastbackend.serve.schema import request_inputs
 
-PATHS = ("/embed", "/embed_all", "/tokenize", "/decode", "/info")
+ROOT_PATHS = ("/", "/invocations")  # where huggingface_hub's InferenceClient(model=URL) posts its embeddings requests
+PATHS = ("/embed", "/embed_all", "/tokenize", "/decode", "/info", *ROOT_PATHS)
 # /embed_all's values (tokens x values per token) in one request at most: about 180 MB of JSON.
 MAX_TOKEN_VALUES = 2**24
 
@@ -84,6 +85,9 @@ def tei_routes(served: Served) -> APIRouter:
         if rows is None:
             return Response(status_code=499)
         return _json([_sized(row, body.dimensions, body.normalize) for row, _ in rows])
+
+    for path in ROOT_PATHS:  # TEI answers an embedding model's root (and SageMaker's /invocations) as /embed
+        router.add_api_route(path, embed, methods=["POST"])
 
     @router.post("/embed_all")
     async def embed_all(body: EmbedAllRequest, request: Request) -> Response:
