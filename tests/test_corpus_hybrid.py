@@ -110,6 +110,16 @@ def test_sparse_rows_are_encode_documents_active_dimensions(folders, texts, tmp_
     assert (metadata["kind"], metadata["dimension"]) == ("sparse", dimension)
 
 
+def test_inference_free_splade_embeds_documents_through_its_document_route(texts, tmp_path):
+    """A Router whose query route is a SparseStaticEmbedding: documents run the transformer route."""
+    folder = build_splade(tmp_path / "router", "bert", router=True)
+    write_parquet(tmp_path / "in.parquet", list(range(16)), texts[1:17])
+    embed_corpus(tmp_path / "in.parquet", tmp_path / "out", "--model", folder)
+    _, rows, _ = read_rows(tmp_path / "out")
+    for plain in (True, False):
+        assert_same_rows(rows, document_rows(load("SparseEncoder", folder, plain), texts[1:17]))
+
+
 def test_multi_vector_rows_are_encode_documents_token_vectors(folders, texts, tmp_path):
     """`embedding`: per document a list of fixed-size lists, its [n_i, 32] vectors (document_length, skiplist)."""
     folder = folders["MultiVectorEncoder"]
