@@ -8,8 +8,10 @@ from sentence_transformers.base.modules import Normalize
 
 from st_fastbackend.engine.schedule import Schedule
 from st_fastbackend.models import SentenceTransformer
+from st_fastbackend.models.chunked import late_room, span_vectors
+from st_fastbackend.models.chunking import Chunking
 from st_fastbackend.modules import PackedTransformer
-from st_fastbackend.modules.tokenizer import TextTokenizer
+from st_fastbackend.modules.tokenizer import DocumentTokens, TextTokenizer
 
 # The model classes with more than a dense vector per text, and what the server gives for each kind.
 MODEL_KINDS = {"SparseEncoder": "sparse", "MultiVectorEncoder": "multi_vector"}
@@ -68,6 +70,19 @@ class Embedder:
         if prompt:  # measured (and cached) here, on the caller's thread, so packing never tokenizes
             self.texts.prompt_length(prompt)
         return self.texts.encode(texts, prompt, max_length)
+
+    def late_room(self, chunking: Chunking, document: DocumentTokens) -> int:
+        """Text tokens a late-chunking window holds; ValueError for a pooling without meaning over a span."""
+        return late_room(self._model, chunking, document)
+
+    def late_chunks(self, out: dict, spans: list[list[tuple[int, int]]]) -> list[torch.Tensor]:
+        """Per pack row, its spans' vectors [k, dim] (float, on the host): each span of the row's token embeddings
+        pooled and run through the modules after Pooling, as encode_chunks(late=True) makes them."""
+        prefix = out.get("prefix")
+        skip = prefix.length if prefix is not None else 0  # the pack holds what follows a prompt computed once
+        within = [[(s - skip, e - skip) for s, e in row] for row in spans]
+        vectors = span_vectors(self._model, out, within, lambda features: features["sentence_embedding"])
+        return list(vectors.float().cpu().split([len(row) for row in spans]))
 
     def schedule(self, prompt: str | None, max_texts: int, max_tokens: int) -> Schedule:
         """The packing schedule (engine/schedule.py) for sequences tokenized with `prompt`."""

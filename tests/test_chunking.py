@@ -199,7 +199,8 @@ def test_embed_corpus_chunk_rows_and_aggregate(st_model, tmp_path, capsys):
 
 def test_server_chunking_field(served_folder):
     """/v1/embeddings with `chunking`: an aggregate in OpenAI's shape equal to encode(chunking=), without one each
-    input's chunks with their text spans equal to encode_chunks; late chunking and unknown fields refused."""
+    input's chunks with their text spans equal to encode_chunks; late chunking over last-token pooling and unknown
+    fields refused."""
     import httpx
     from serving import KEY, start_server
 
@@ -217,9 +218,42 @@ def test_server_chunking_field(served_folder):
             assert [c["text_span"] for c in item["chunks"]] == [list(span) for span in chunks.char_spans]
             assert max_diff([c["embedding"] for c in item["chunks"]], chunks.embeddings) <= TOLERANCE
         late = post({"input": texts, "chunking": {"late": True}})
-        assert late.status_code == 400 and "chunking.late" in late.text
+        assert late.status_code == 400 and "'lasttoken' has no meaning over a span" in late.text
         unknown = post({"input": texts, "chunking": {"size": 3}})
         assert unknown.status_code == 400 and "Unknown chunking field 'size'" in unknown.text
     finally:
         process.terminate()
         process.wait(30)
+
+
+@pytest.mark.parametrize("family", ["bert", "mistral"])
+def test_server_late_chunking(st_model, family):
+    """/v1/embeddings with chunking.late: each window run once, each chunk's span pooled by the worker; equal to
+    encode_chunks and encode with Chunking(late=True, context=the server's input limit), with a prompt (on the
+    Mistral, computed once: the pack holds what follows it)."""
+    from fastapi.testclient import TestClient
+    from serving import HEADERS, KEY
+
+    from st_fastbackend.serve.app import create_app
+
+    # "query: " would merge its space into the text's first token with this tokenizer: chunks refuse such prompts
+    folder = st_model(family, pooling_mode="mean", prompts={"query": "query:"})
+    model = SentenceTransformer(str(folder), backend="fast", device="cpu")
+    texts, limit = [LONG, LONG[:300], "short text"], 64
+    app = create_app(SentenceTransformer(str(folder), backend="fast", device="cpu"), "tiny", max_tokens_per_batch=4096,
+                     max_batch_size=64, max_input_tokens=limit, api_key=KEY)  # fmt: skip
+    chunking = {"tokens": 20, "overlap": 4, "late": True}
+    with TestClient(app) as client:
+        post = lambda body: client.post("/v1/embeddings", json=body, headers=HEADERS)  # noqa: E731
+        each = post({"input": texts, "prompt_name": "query", "chunking": {**chunking, "aggregate": None}})
+        assert each.status_code == 200, each.text
+        expected = model.encode_chunks(texts, Chunking(**chunking, aggregate=None, context=limit), prompt_name="query")
+        for item, chunks in zip(each.json()["data"], expected, strict=True):
+            assert [c["text_span"] for c in item["chunks"]] == [list(span) for span in chunks.char_spans]
+            assert max_diff([c["embedding"] for c in item["chunks"]], chunks.embeddings) <= TOLERANCE
+        assert len(expected[0].embeddings) > 3  # LONG is cut into several windows of several chunks
+        mean = post({"input": texts, "chunking": chunking}).json()
+        want = model.encode(texts, chunking=Chunking(**chunking, context=limit))
+        assert max_diff([d["embedding"] for d in mean["data"]], want) <= TOLERANCE
+        over = post({"input": texts, "chunking": {**chunking, "context": limit + 1}})
+        assert over.status_code == 400 and "input tokens" in over.text

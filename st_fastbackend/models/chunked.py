@@ -37,7 +37,7 @@ def chunk_vectors(model, inputs: list[str], chunking: Chunking, prompt: str | No
     for index, document in enumerate(documents):
         if not (document.head or document.ids or document.tail):
             raise NoTokensError(index, inputs[index])
-    room = _late_room(model, chunking, documents[0]) if chunking.late and documents else None
+    room = late_room(model, chunking, documents[0]) if chunking.late and documents else None
     head = len(documents[0].head) if documents else 0  # the same for every text: special tokens and the prompt
     spans = [cut(len(d.ids), chunk_size(chunking, d, model[0].max_seq_length), chunking.overlap) for d in documents]
     plan = [w for doc, d in enumerate(documents) for w in windows(doc, d, spans[doc], room)]
@@ -56,7 +56,7 @@ def chunk_vectors(model, inputs: list[str], chunking: Chunking, prompt: str | No
     return [(stacked[d], spans[d], char_spans(documents[d], spans[d])) for d in range(len(documents))]
 
 
-def _late_room(model, chunking: Chunking, document) -> int:
+def late_room(model, chunking: Chunking, document) -> int:
     """Text tokens a late-chunking window holds; refuses a pipeline whose pooling has no meaning over a span."""
     modules = list(model._modules.values())
     modes = getattr(modules[1], "pooling_mode", None) if len(modules) > 1 else None
@@ -83,24 +83,30 @@ def _late_room(model, chunking: Chunking, document) -> int:
 
 
 def _late_rows(model, out: dict[str, Any], shown: list[Window], spans: list, head: int, rows: Rows) -> Tensor:
-    """A pack's chunk vectors [chunks, dim]: each chunk's span of its window's token embeddings pooled and run
-    through the modules after Pooling. A chunk without tokens (a text of none) takes its window's own vector,
-    what plain encode gives that text."""
-    tokens: Tensor = out["token_embeddings"]  # [T, H], without a prompt computed once (engine/prefix.py)
+    """A pack's chunk vectors [chunks, dim], its windows' chunks in order (span_vectors)."""
     prefix = out.get("prefix")
     skip = head - (prefix.length if prefix is not None else 0)  # a window's tokens before its text, in the pack
+    within = [[(skip + s - w.start, skip + e - w.start) for s, e in (spans[w.doc][c] for c in w.chunks)]
+              for w in shown]  # fmt: skip
+    return span_vectors(model, out, within, rows)
+
+
+def span_vectors(model, out: dict[str, Any], within: list[list[tuple[int, int]]], rows: Rows) -> Tensor:
+    """Per pack row, its spans' vectors, all rows' in order [spans, dim]: each span (token positions within the
+    row, as the pack holds it: after a prompt computed once) of the row's token embeddings pooled and run through
+    the modules after Pooling. An empty span (a text of no tokens) takes its row's own vector, what plain encode
+    gives that text."""
+    tokens: Tensor = out["token_embeddings"]  # [T, H], without a prompt computed once (engine/prefix.py)
     starts = itertools.accumulate(out["packed"].lengths, initial=0)
-    index, lengths, owner = [], [], []  # owner: the window (pack row) of each chunk without tokens, else None
-    for row, (window, start) in enumerate(zip(shown, starts, strict=False)):
-        for c in window.chunks:
-            s, e = spans[window.doc][c]
-            first = start + skip + s - window.start
-            index.extend(range(first, first + e - s))
+    index, lengths, owner = [], [], []  # owner: the pack row of each empty span, else None
+    for row, (row_spans, start) in enumerate(zip(within, starts, strict=False)):
+        for s, e in row_spans:
+            index.extend(range(start + s, start + e))
             lengths.append(e - s)
             owner.append(row if e == s else None)
     whole = rows(out) if any(o is not None for o in owner) else None
     if not index:
-        return whole
+        return whole[owner]  # every span empty
     features = {
         "packed": PackedBatch.from_sequences([[0] * n for n in lengths if n]).to(tokens.device),
         "token_embeddings": tokens[torch.tensor(index, device=tokens.device)],

@@ -51,7 +51,8 @@ class Job:
     future: Future = field(default_factory=Future)  # cancelled: the client left, the job is dropped
     queued_at: float = field(default_factory=time.perf_counter)
     left: bool = False  # set by the endpoint when its client disconnects: the packs still to run are skipped
-    output: str = "sentence_embedding"  # what each sequence's row is: a key of PACK_OUTPUTS
+    output: str = "sentence_embedding"  # what each sequence's row is: a key of PACK_OUTPUTS, or LATE_CHUNKS
+    spans: list[list[tuple[int, int]]] | None = None  # LATE_CHUNKS: per sequence its chunks' token spans in it
 
 
 @dataclass(eq=False)
@@ -119,6 +120,7 @@ def _multi_vector_rows(out: dict) -> list[torch.Tensor]:
     return [vectors[mask] for vectors, mask in zip(tokens, masks, strict=True)]
 
 
+LATE_CHUNKS = "late_chunks"  # per sequence its chunks' vectors [k, dim] (the Embedder pools the job's spans)
 # A pack's rows, one per sequence, for each output a job may ask for (embedder.py: which a model gives). Jobs asking
 # for different outputs share packs: the forward pass is the same.
 PACK_OUTPUTS = {"sentence_embedding": _sentence_rows, "token_embeddings": _token_rows, "sparse": _sparse_rows,
@@ -283,7 +285,11 @@ class Batcher:
         with torch.inference_mode():
             for picked, out in schedule.run(ids):
                 asked = {items[k][0].job.output for k in picked}
-                rows = {output: PACK_OUTPUTS[output](out) for output in asked}
+                rows = {output: PACK_OUTPUTS[output](out) for output in asked if output != LATE_CHUNKS}
+                if LATE_CHUNKS in asked:  # per sequence its chunks' vectors, pooled from its token embeddings
+                    jobs = [items[k] for k in picked]
+                    spans = [r.job.spans[i] if r.job.output == LATE_CHUNKS else [] for r, i in jobs]
+                    rows[LATE_CHUNKS] = self.embedder.late_chunks(out, spans)
                 seconds, tokens = time.perf_counter() - start, sum(len(ids[k]) for k in picked)
                 self.metrics.compute.observe(seconds)
                 self.metrics.batch_tokens.observe(tokens)

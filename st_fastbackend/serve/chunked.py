@@ -2,18 +2,21 @@
 request tokenizer's thread), every chunk of the request one job of the batcher (the one packing schedule), then
 each text's chunks aggregated (OpenAI's response shape) or returned as `chunks: [{embedding, text_span}]`.
 
-Late chunking is not served: the worker returns pooled vectors, not the token embeddings it would pool over each
-chunk's span; a request asking for it is refused, never answered with other numbers.
+Late chunking: the job's sequences are windows of consecutive whole chunks, as encode_chunks() makes them, each
+with its chunks' spans; the worker pools each span of the window's token embeddings (the "late_chunks" output).
+A window holds at most `chunking.context` tokens, by default the server's --max-input-tokens (and never more):
+the same vectors as encode_chunks(chunking=Chunking(late=True, context=that)).
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import torch
 
 from st_fastbackend.models.chunked import aggregate
-from st_fastbackend.models.chunking import Chunking, char_spans, chunk_size, cut
+from st_fastbackend.models.chunking import Chunking, char_spans, chunk_size, cut, windows
 from st_fastbackend.modules.tokenizer import NoTokensError
 from st_fastbackend.serve.errors import ApiError
 from st_fastbackend.serve.tokens import InputError, RequestTokenizer
@@ -21,35 +24,46 @@ from st_fastbackend.serve.tokens import InputError, RequestTokenizer
 
 def parse(options: dict) -> Chunking:
     try:
-        chunking = Chunking.from_dict(options)
+        return Chunking.from_dict(options)
     except (TypeError, ValueError) as error:
         raise ApiError(400, f"chunking: {error}") from error
-    if chunking.late:
-        raise ApiError(400, "chunking.late is not served (the server's worker pools whole inputs); "
-                            "late chunking runs in encode_chunks() and embed-corpus --late.")  # fmt: skip
-    return chunking
 
 
 async def chunk_plan(tokenizer: RequestTokenizer, texts: list[str], prompt: str | None, chunking: Chunking):
-    """(every chunk's token ids, per text its token spans and character spans), tokenized on the request
-    tokenizer's one thread; a chunk holds at most the server's --max-input-tokens."""
-    texts_tokenizer = tokenizer.embedder.texts
+    """(every sequence's token ids, per text its token spans and character spans, and for late chunking per
+    sequence its chunks' spans within it, else None), tokenized on the request tokenizer's one thread; a sequence
+    holds at most the server's --max-input-tokens."""
+    texts_tokenizer, limit = tokenizer.embedder.texts, tokenizer.limit
+    if chunking.late and (chunking.context or limit) > limit:
+        raise InputError(f"chunking.context={chunking.context} is more than the server's {limit} input tokens.")
+    late = replace(chunking, context=chunking.context or limit) if chunking.late else None
 
     def plan():
-        sequences, found = [], []
+        sequences, found, within = [], [], []
         for index, text in enumerate(texts):
-            document = texts_tokenizer.document(text, prompt)
-            if not (document.head or document.ids or document.tail):
-                raise InputError(str(NoTokensError(index, text)))
             try:
-                spans = cut(len(document.ids), chunk_size(chunking, document, tokenizer.limit), chunking.overlap)
+                document = texts_tokenizer.document(text, prompt)  # ValueError: a prompt merging into the text
+                if not (document.head or document.ids or document.tail):
+                    raise InputError(str(NoTokensError(index, text)))
+                spans = cut(len(document.ids), chunk_size(chunking, document, limit), chunking.overlap)
+                room = tokenizer.embedder.late_room(late, document) if late else None
             except ValueError as error:
                 raise InputError(f"chunking: {error}") from error
-            sequences += [document.head + document.ids[s:e] + document.tail for s, e in spans]
+            for window in windows(index, document, spans, room):
+                sequences.append(window.sequence)
+                head = len(document.head)
+                within.append([(head + spans[c][0] - window.start, head + spans[c][1] - window.start)
+                               for c in window.chunks])  # fmt: skip
             found.append((spans, char_spans(document, spans)))
-        return sequences, found
+        return sequences, found, within if late else None
 
     return await asyncio.get_running_loop().run_in_executor(tokenizer.pool, plan)
+
+
+def per_chunk(rows: list) -> list:
+    """The worker's late-chunking rows (per window: its chunks' vectors [k, dim], its tokens) -> per chunk (vector,
+    tokens), a window's tokens counted once."""
+    return [(vector, tokens if i == 0 else 0) for vectors, tokens in rows for i, vector in enumerate(vectors)]
 
 
 def per_text(rows: list, found: list, chunking: Chunking, normalizes: bool) -> list:

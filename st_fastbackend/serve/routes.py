@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from st_fastbackend.embedder import Embedder
 from st_fastbackend.models.chunking import Chunking
 from st_fastbackend.serve import chunked
-from st_fastbackend.serve.batcher import Batcher, Job, ShuttingDown
+from st_fastbackend.serve.batcher import LATE_CHUNKS, Batcher, Job, ShuttingDown
 from st_fastbackend.serve.errors import ApiError, server_error
 from st_fastbackend.serve.limits import Limits
 from st_fastbackend.serve.metrics import Metrics
@@ -119,9 +119,12 @@ async def embed_inputs(
                 message = f"{tokens} tokens in one request; the limit for {output} is {max_tokens}."
                 raise ApiError(413, message, code="request_too_large")
             return await _unless_client_left(served.batcher, Job(ids, prompt, output=output), request)
-        ids, found = await chunked.chunk_plan(served.tokenizer, texts, prompt, chunking)
-        rows = await _unless_client_left(served.batcher, Job(token_ids=ids, prompt=prompt), request)
-        return None if rows is None else chunked.per_text(rows, found, chunking, served.embedder.normalizes)
+        ids, found, within = await chunked.chunk_plan(served.tokenizer, texts, prompt, chunking)
+        late = {"output": LATE_CHUNKS, "spans": within} if within is not None else {}
+        rows = await _unless_client_left(served.batcher, Job(token_ids=ids, prompt=prompt, **late), request)
+        if rows is None:
+            return None
+        return chunked.per_text(chunked.per_chunk(rows) if late else rows, found, chunking, served.embedder.normalizes)
     except ApiError:
         raise
     except InputError as error:
