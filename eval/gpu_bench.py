@@ -19,19 +19,16 @@ runs every step on a CPU with a 2-layer, narrow model and a few texts.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import shutil
-import statistics
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 from bench import PROMPTS
-from harness.measure import flops, gemm_ceiling, sync
-from harness.models import switched as Without
+from harness import data, measure, models, options
 from sentence_transformers import SentenceTransformer as PlainSentenceTransformer
 from sentence_transformers.sentence_transformer.modules import Normalize, Pooling
 from transformers import AutoTokenizer, MistralConfig, MistralModel
@@ -118,14 +115,8 @@ def check_small_copy(work: Path, tokenizer_dir: Path, texts: list[str], device: 
 
 def seconds_per_call(model, texts: list[str], batch_size: int, device: str, rounds: int, prompt=None) -> float:
     model.encode(texts[: batch_size * 2], batch_size=batch_size, prompt=prompt)  # warm-up: kernels, allocator
-    times = []
-    for _ in range(rounds):
-        sync(device)
-        start = time.perf_counter()
-        model.encode(texts, batch_size=batch_size, prompt=prompt)
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    call = {"encode": lambda: model.encode(texts, batch_size=batch_size, prompt=prompt)}
+    return measure.alternate(call, rounds, device).median("encode")
 
 
 def fixed_length_texts(articles: list[str], length: int, count: int) -> list[str]:
@@ -136,7 +127,7 @@ def fixed_length_texts(articles: list[str], length: int, count: int) -> list[str
     return [" ".join(doubled[start : start + 2 * length]) for start in starts]
 
 
-def measure(plain, fast, texts: list[str], args, ceiling: float, prompt: str | None = None) -> dict:
+def compare(plain, fast, texts: list[str], args, ceiling: float, prompt: str | None = None) -> dict:
     """Both systems on the same texts; plain at its best batch_size, fast at its own, and fast at that
     batch_size without each of its switches."""
     ids = fast[0].texts.encode(texts, prompt)
@@ -149,8 +140,8 @@ def measure(plain, fast, texts: list[str], args, ceiling: float, prompt: str | N
     fast_runs = {bs: rate(fast, bs) for bs in (32, 512)}
     plain_bs, fast_bs = max(plain_runs, key=plain_runs.get), max(fast_runs, key=fast_runs.get)
     switches = ["compiled_seams"] + (["prompt_reuse"] if prompt else [])
-    without = {switch: rate(Without(fast, switch), fast_bs) for switch in switches}
-    work = flops(fast, ids)
+    without = {switch: rate(models.switched(fast, switch), fast_bs) for switch in switches}
+    work = measure.flops(fast, ids)
     cosine = 1 - one_minus_cosine(encode(fast, texts[:8], 8, prompt), encode(plain, texts[:8], 8, prompt))
     return {
         "min_cosine_fast_vs_plain": float(cosine.min()),
@@ -203,7 +194,7 @@ def table(results: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = options.parser(__doc__, "rounds", rounds=1)
     parser.add_argument("--carry", type=Path, required=True, help="data/ and tokenizer/ prepared by gpu_bench.sh")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--work", type=Path, default=Path("/tmp/gpu_bench"), help="where the model folders go")
@@ -211,7 +202,6 @@ def main() -> None:
     parser.add_argument("--tokens-per-length", type=int, default=65536)
     parser.add_argument("--paragraphs", type=int, default=1024)
     parser.add_argument("--claims", type=int, default=1000)
-    parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--dry-run", action="store_true", help="CPU, 2 narrow layers, a few texts")
     args = parser.parse_args()
     overrides = DRY_RUN if args.dry_run else {}
@@ -224,16 +214,14 @@ def main() -> None:
     shutil.rmtree(args.work, ignore_errors=True)
     args.work.mkdir(parents=True)
     tokenizer_dir = args.carry / "tokenizer"
-    with open(args.carry / "data" / "wikitext2_test_paragraphs.jsonl", encoding="utf8") as f:
-        paragraphs = [json.loads(line)["text"] for line in f][: args.paragraphs]
-    with open(args.carry / "data" / "wikitext2_test_articles.jsonl", encoding="utf8") as f:
-        articles = [json.loads(line)["text"] for line in f]
-    with open(args.carry / "data" / "scifact_queries.jsonl", encoding="utf8") as f:
-        claims = [json.loads(line)["text"] for line in f][: args.claims]
+    carried = args.carry / "data"  # gpu_bench.sh --prepare's copies of ../shared/data's files
+    paragraphs = data.texts(carried / "wikitext2_test_paragraphs.jsonl")[: args.paragraphs]
+    articles = data.texts(carried / "wikitext2_test_articles.jsonl")
+    claims = data.texts(carried / "scifact_queries.jsonl")[: args.claims]
 
     results: dict = {"device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu (dry run)"}
     n = 8192 if args.device == "cuda" else 1024
-    results["ceiling_gflops"] = gemm_ceiling(torch.bfloat16, args.device, n=n, repeats=10)
+    results["ceiling_gflops"] = measure.gemm_ceiling(torch.bfloat16, args.device, n=n, repeats=10)
     log(f"bf16 GEMM ceiling {results['ceiling_gflops']:.0f} GFLOP/s")
 
     log("correctness on a 4-layer copy (fp32 reference)")
@@ -268,7 +256,7 @@ def main() -> None:
             plain.max_seq_length = fast.max_seq_length = length
         log(f"{name} ({len(texts)} texts)")
         prompt = PROMPTS.get(prompt)
-        results["workloads"][name] = measure(plain, fast, texts, args, results["ceiling_gflops"], prompt)
+        results["workloads"][name] = compare(plain, fast, texts, args, results["ceiling_gflops"], prompt)
         (args.out / "gpu_bench.json").write_text(json.dumps(results, indent=2))
         (args.out / "gpu_bench.md").write_text(table(results) + "\n")
     print(table(results), flush=True)
