@@ -16,15 +16,14 @@ is written once into a copy of the model folder under --work-dir and reused.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import shutil
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from harness import data, measure, options  # standard library only: this runs under the peer's Python
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 SYSTEMS = ["vllm", "openvino", "onnx", "torch", "onnx-int8", "openvino-int8"]
@@ -82,45 +81,33 @@ def int8_export(system: str, model: str, work_dir: Path, calibration: list[str])
     if system == "onnx-int8":
         export_dynamic_quantized_onnx_model(exported, "avx512_vnni", str(folder))
         return str(folder)
-    data = work_dir / "calibration"  # a local dataset folder: datasets.load_dataset reads its train.csv
-    data.mkdir(parents=True, exist_ok=True)
-    with open(data / "train.csv", "w", encoding="utf8", newline="") as f:
+    dataset = work_dir / "calibration"  # a local dataset folder: datasets.load_dataset reads its train.csv
+    dataset.mkdir(parents=True, exist_ok=True)
+    with open(dataset / "train.csv", "w", encoding="utf8", newline="") as f:
         csv.writer(f).writerows([["sentence"], *([text] for text in calibration)])
-    export_static_quantized_openvino_model(exported, None, str(folder), dataset_name=str(data),
+    export_static_quantized_openvino_model(exported, None, str(folder), dataset_name=str(dataset),
                                            dataset_config_name="default", dataset_split="train",
                                            column_name="sentence")  # fmt: skip
     return str(folder)
 
 
-def stsb_dev_sentences(data_dir: Path, count: int = 300) -> list[str]:
-    with open(data_dir / "stsb" / "stsb-dev.tsv", encoding="utf8", newline="") as f:
-        rows = list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
-    return [r["sentence1"] for r in rows][:count]
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = options.parser(__doc__, "batch_size", "rounds", "data_dir")
     parser.add_argument("--system", required=True, choices=SYSTEMS)
     parser.add_argument("--model", required=True)
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp32")
     parser.add_argument("--texts", required=True, help="a JSON list of strings")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", required=True)
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/st_fastbackend_peers"), help="int8 exports")
-    parser.add_argument("--data-dir", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "data")
     args = parser.parse_args()
     with open(args.texts, encoding="utf8") as f:
         texts = json.load(f)
-    calibration = stsb_dev_sentences(args.data_dir) if args.system == "openvino-int8" else None
+    dev = data.sts_sentences(args.data_dir, "dev", columns=("sentence1",))[:300]
+    calibration = dev if args.system == "openvino-int8" else None
     embed = load(args.system, args.model, args.dtype, args.work_dir, calibration)
     embed(texts[: args.batch_size], args.batch_size)  # warm-up
     embeddings = embed(texts, args.batch_size)
-    seconds = []
-    for _ in range(args.rounds):
-        start = time.perf_counter()
-        embed(texts, args.batch_size)
-        seconds.append(time.perf_counter() - start)
+    seconds = measure.alternate({"peer": lambda: embed(texts, args.batch_size)}, args.rounds).seconds["peer"]
     np.savez(args.out, embeddings=embeddings, seconds=np.array(seconds))
 
 
