@@ -158,3 +158,33 @@ def test_bf16_through_the_cuda_kernel_standins(standin, built, pairs, name, case
     ours = fast.predict(pairs, activation_fn=IDENTITY)
     assert kernel_standins.Calls.count > 0
     assert max_diff(ours, reference) <= 3 * max(max_diff(plain_bf16, reference), 1e-3)
+
+
+# Qwen3-Reranker's shape in small: the pair rendered as query/document messages, then the assistant's turn.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>yes or no:{% endif %}"
+)
+
+
+@pytest.mark.parametrize("causal_lm", [True, False], ids=["causal LM + LogitScore", "score head"])
+def test_chat_template_rerankers(tmp_path, pairs, causal_lm):
+    """A tokenizer with a chat template: pairs rendered as sentence-transformers renders them (query and document
+    messages; the template's suffix restored after truncation), scored on the packed engine; also as plain saves
+    it (its message modality in sentence_bert_config.json)."""
+    from transformers import AutoTokenizer
+
+    folder = build_cross_encoder(tmp_path / "qwen3", "qwen3", causal_lm=causal_lm)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    plain, fast = load_both(folder, max_length=96)  # the longest pairs are cut, the suffix put back
+    assert max_diff(plain.predict(pairs, activation_fn=IDENTITY), fast.predict(pairs, activation_fn=IDENTITY)) <= 1e-5
+    alone = [fast.predict([pair], activation_fn=IDENTITY)[0] for pair in pairs[:5]]
+    assert max_diff(alone, fast.predict(pairs[:5], activation_fn=IDENTITY)) <= 1e-5
+    rendered = plain[0].preprocess([list(p) for p in pairs[:6]])["attention_mask"].sum(1).tolist()
+    lengths = fast[0].pair_lengths(pairs[:6])  # untruncated: the server's truncate=false check
+    assert all(n >= r for n, r in zip(lengths, rendered, strict=True)) and max(lengths) > 96
+    plain.save(str(tmp_path / "saved"))
+    again = CrossEncoder(str(tmp_path / "saved"), device=DEVICE, backend="fast")
+    assert max_diff(plain.predict(pairs[:8]), again.predict(pairs[:8])) <= 1e-5

@@ -57,9 +57,19 @@ def task_config(config: dict[str, Any], default_task: str) -> dict[str, Any]:
     modalities, output = TRANSFORMER_TASK_DEFAULTS.get(task, (None, None))
     if config.get("module_output_name") == output:
         config.pop("module_output_name")
-    if config.get("modality_config") == modalities:
-        config.pop("modality_config")
+    saved = config.get("modality_config")
+    if saved == modalities or (isinstance(saved, dict) and _text_and_message(saved, modalities)):
+        config.pop("modality_config")  # a chat template's message modality: the tokenizer's template says it
     return {"transformer_task": task, **module_config(config)}
+
+
+def _text_and_message(saved: dict, text_only: dict | None) -> bool:
+    """The task's text modality and a chat template's message modality with the same output, as
+    sentence-transformers infers them for a tokenizer with a chat template."""
+    message = saved.get("message") or {}
+    others = {key: value for key, value in saved.items() if key != "message"}
+    return text_only is not None and others == text_only and message.get("method_output_name") == (
+        text_only["text"]["method_output_name"])  # fmt: skip
 
 
 def check_model_kwargs(model_kwargs: dict[str, Any]) -> None:

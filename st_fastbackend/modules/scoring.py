@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from sentence_transformers.base.modules import Transformer
-from sentence_transformers.base.modules.transformer import TRANSFORMER_TASK_DEFAULTS
+from sentence_transformers.base.modules.transformer import TRANSFORMER_TASK_DEFAULTS, TRANSFORMER_TASK_TO_AUTO_MODEL
 from sentence_transformers.cross_encoder.modules import LogitScore
 
 from st_fastbackend.engine.batch import PackedBatch
@@ -43,9 +43,14 @@ class PackedScoringTransformer(PackedTransformer):
             raise UnsupportedModelError(f"A cross-encoder Transformer with transformer_task={transformer_task!r}")
         self.transformer_task = transformer_task
         super().__init__(model_name_or_path, **kwargs)
+        # With a chat template sentence-transformers renders a pair as query/document messages (and restores the
+        # template's suffix after truncation): its own Transformer does that here, on a model of no weights.
+        formatter = None
         if getattr(self.tokenizer, "chat_template", None) is not None:
-            # sentence-transformers renders pairs through a chat template as query/document messages then.
-            raise UnsupportedModelError("A cross-encoder whose tokenizer has a chat template")
+            formatter = PairFormatter(str(self.folder), transformer_task=transformer_task)
+            self.tokenizer.padding_side = formatter.processor.padding_side  # left for a causal LM (its check)
+            formatter.processor = self.tokenizer  # one tokenizer: max_seq_length set here holds there
+        object.__setattr__(self, "pair_formatter", formatter)  # not a submodule: its meta weights never move
         # transformers' forward takes token types only where the model has them (BERT, RoBERTa, XLM-R).
         self.token_types = isinstance(self.model, Encoder)
         # [k, hidden], set by lm_rows_for (LogitScore's token ids); a buffer, so .to() moves it
@@ -94,6 +99,8 @@ class PackedScoringTransformer(PackedTransformer):
     def encode_pairs(self, pairs: list, prompt: str | None, first_index: int = 0) -> list[list[int]]:
         """Token ids of each (first, second) pair as plain sentence-transformers tokenizes a batch of them:
         the prompt before the first text, truncation="longest_first" at the tokenizer's max length."""
+        if self.pair_formatter is not None:
+            return self._rendered_pairs(pairs, prompt, first_index)
         texts = [[prompt + first, second] if prompt else [first, second] for first, second in pairs]
         out = self.tokenizer(texts, truncation="longest_first", padding=False, verbose=False)
         sequences = []
@@ -104,6 +111,25 @@ class PackedScoringTransformer(PackedTransformer):
             if self.token_types and "token_type_ids" in out:
                 sequence.token_types = out["token_type_ids"][index]
             sequences.append(sequence)
+        return sequences
+
+    def pair_lengths(self, pairs: list, prompt: str | None = None) -> list[int]:
+        """Each pair's token count before truncation (through the chat template where the tokenizer has one)."""
+        texts = [[prompt + first, second] if prompt else [first, second] for first, second in pairs]
+        if self.pair_formatter is None:
+            return [len(ids) for ids in self.tokenizer(texts, truncation=False, verbose=False)["input_ids"]]
+        whole = {"text": {"truncation": False}}
+        return self.pair_formatter.preprocess(texts, processing_kwargs=whole)["attention_mask"].sum(1).tolist()
+
+    def _rendered_pairs(self, pairs: list, prompt: str | None, first_index: int) -> list[list[int]]:
+        """Token ids of each pair through the chat template, as sentence-transformers' preprocess makes them (its
+        padded batch, unpadded by its attention mask)."""
+        features = self.pair_formatter.preprocess([list(pair) for pair in pairs], prompt=prompt)
+        sequences = [ids[mask.bool()].tolist() for ids, mask in zip(features["input_ids"], features["attention_mask"],
+                                                                     strict=True)]  # fmt: skip
+        for index, ids in enumerate(sequences):
+            if not ids:
+                raise ValueError(f"Input {first_index + index} has no tokens; there is nothing to score.")
         return sequences
 
     def pack(self, sequences: list[list[int]], prompt: str | None = None, prefix: Prefix | None = None) -> dict:
@@ -120,6 +146,14 @@ class PackedScoringTransformer(PackedTransformer):
         else:  # the LM head's kept rows at each pair's last token: [B, H] x [H, k]
             features["lm_rows"] = last_tokens(h, packed) @ self.lm_rows.T
         return features
+
+
+class PairFormatter(Transformer):
+    """sentence-transformers' Transformer for its preprocess() only: its model is built on the meta device."""
+
+    def _load_model(self, model_name_or_path, transformer_task, config, *args, **kwargs):
+        with torch.device("meta"):
+            return TRANSFORMER_TASK_TO_AUTO_MODEL[transformer_task].from_config(config)
 
 
 class PackedLogitScore(LogitScore):

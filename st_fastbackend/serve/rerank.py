@@ -100,10 +100,9 @@ class Reranker:
     def _pairs(self, query: str, documents: list[str], truncate: bool) -> list[list[int]]:
         pairs = [(query, document) for document in documents]
         if not truncate:
-            whole = self._model[0].tokenizer([list(p) for p in pairs], truncation=False, verbose=False)
-            for index, ids in enumerate(whole["input_ids"]):
-                if len(ids) > self.max_seq_length:
-                    raise ApiError(413, f"texts[{index}] with the query is {len(ids)} tokens; the model takes "
+            for index, length in enumerate(self._model[0].pair_lengths(pairs)):
+                if length > self.max_seq_length:
+                    raise ApiError(413, f"texts[{index}] with the query is {length} tokens; the model takes "
                                         f"{self.max_seq_length} (truncate: true cuts it).")  # fmt: skip
         return self._model[0].encode_pairs(pairs, None)
 
