@@ -188,3 +188,32 @@ def test_chat_template_rerankers(tmp_path, pairs, causal_lm):
     plain.save(str(tmp_path / "saved"))
     again = CrossEncoder(str(tmp_path / "saved"), device=DEVICE, backend="fast")
     assert max_diff(plain.predict(pairs[:8]), again.predict(pairs[:8])) <= 1e-5
+
+
+def test_shared_tokens_computed_once(tmp_path, pairs, monkeypatch):
+    """A causal-LM reranker's pairs computed after the tokens they all begin with (a chat template's head, rank()'s
+    query): the same scores as plain, as with every pair run whole (prefix_reuse=False), and the shared pass ran."""
+    from transformers import AutoTokenizer
+
+    from st_fastbackend.modules import scoring
+
+    folder = build_cross_encoder(tmp_path / "qwen3", "qwen3", causal_lm=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = "<|system|>judge whether the document answers the query, yes or no\n" + CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    plain, fast = load_both(folder)
+    found = []
+    shared = scoring.PackedScoringTransformer.shared_prefix
+    monkeypatch.setattr(scoring.PackedScoringTransformer, "shared_prefix",
+                        lambda self, sequences: found.append(shared(self, sequences)) or found[-1])  # fmt: skip
+    assert max_diff(plain.predict(pairs, activation_fn=IDENTITY), fast.predict(pairs, activation_fn=IDENTITY)) <= 1e-5
+    query, documents = pairs[0][0], [document for _, document in pairs]
+    expected = plain.rank(query, documents)
+    ranked = fast.rank(query, documents)
+    assert [r["corpus_id"] for r in ranked] == [r["corpus_id"] for r in expected]
+    assert max_diff([r["score"] for r in ranked], [r["score"] for r in expected]) <= 1e-5
+    assert found[0] is not None and found[0].states is not None  # predict: the template's head, run once
+    assert found[1].length > found[0].length  # rank: the query too
+    fast.prefix_reuse = False
+    assert max_diff(fast.predict(pairs, activation_fn=IDENTITY), plain.predict(pairs, activation_fn=IDENTITY)) <= 1e-5
+    assert len(found) == 2  # not asked for

@@ -27,7 +27,10 @@ from st_fastbackend.modules.scoring import PackedLogitScore, PackedScoringTransf
 
 class CrossEncoder(FastModel, sentence_transformers.CrossEncoder):
     fast_modules = {Transformer: PackedScoringTransformer, LogitScore: PackedLogitScore}
-    prompt_reuse = False  # a pair's prompt is computed with every pair (engine/prefix.py is for single texts)
+    prompt_reuse = False  # the prompt alone is not what pairs share: the tokens they begin with are (prefix_reuse)
+    # On a causal-LM reranker the tokens every pair of a call begins with (a chat template's head and instruction,
+    # rank()'s query) are computed once (PackedScoringTransformer.shared_prefix); False runs them with every pair.
+    prefix_reuse: bool = True
 
     def _check_fast_pipeline(self, modules: list) -> None:
         super()._check_fast_pipeline(modules)
@@ -110,8 +113,10 @@ class CrossEncoder(FastModel, sentence_transformers.CrossEncoder):
 
         scores: list = [None] * len(inputs)
         landing = HostRows(scores)  # the scores stay on the model's device
+        shared = transformer.shared_prefix if self.prefix_reuse else None
         runs = self.packed_runs(inputs, tokenize, prompt=prompt, device=device, batch_size=batch_size,
-                                max_tokens=max_tokens, show_progress_bar=show_progress_bar, **kwargs)  # fmt: skip
+                                max_tokens=max_tokens, show_progress_bar=show_progress_bar, shared_prefix=shared,
+                                **kwargs)  # fmt: skip
         for positions, out in runs:
             landing.add(positions, _scores(out["scores"], activation_fn, num_labels, apply_softmax))
         return torch.stack(scores) if scores else torch.tensor([], device=device)

@@ -29,6 +29,7 @@ from st_fastbackend.modules import PackedTransformer, check_texts
 
 TOKENIZE_CHUNK = 4096  # inputs tokenized together (while the previous chunk runs) and sorted by length
 Tokenize = Callable[[list, range], list[list[int]]]  # (the chunk's inputs, their positions) -> token ids
+SharedPrefix = Callable[[list[list[int]]], Prefix | None]  # a chunk's token ids -> what to compute once for them
 
 
 class FastModel:
@@ -118,16 +119,20 @@ class FastModel:
 
     def packed_runs(
         self, inputs: list, tokenize: Tokenize, *, prompt: str | None, device: torch.device, batch_size: int,
-        max_tokens: int, show_progress_bar: bool, **kwargs,
+        max_tokens: int, show_progress_bar: bool, shared_prefix: SharedPrefix | None = None, **kwargs,
     ) -> Iterator[tuple[list[int], dict]]:  # fmt: skip
         """The one loop of every class: inputs tokenized a chunk at a time in a background thread, sorted by token
         length within the chunk, packed into batches of at most `batch_size` inputs and `max_tokens` tokens (one
         schedule for the call: it keeps a budget learned from running out of memory); yields (the inputs'
-        positions in `inputs`, the modules' outputs for them). In inference mode, whoever calls it."""
+        positions in `inputs`, the modules' outputs for them). `shared_prefix`: the tokens a chunk's sequences
+        share at their start, to compute once (engine/prefix.py), in place of the prompt's. In inference mode,
+        whoever calls it."""
         self.eval()
         schedule = Schedule(self, prompt, device, batch_size, max_tokens)
         with torch.inference_mode(), tqdm(total=len(inputs), desc="Texts", disable=not show_progress_bar) as progress:
             for chunk, sequences in _tokenized_chunks(tokenize, inputs):
+                if shared_prefix is not None:
+                    schedule.prefix = shared_prefix(sequences)
                 for picked, out in schedule.run(sequences, **kwargs):
                     yield [chunk[i] for i in picked], out
                     progress.update(len(picked))

@@ -29,6 +29,7 @@ from st_fastbackend.modules.options import task_config
 from st_fastbackend.modules.transformer import PackedTransformer
 
 TASKS = ("sequence-classification", "text-generation")
+MIN_SHARED = 8  # shared tokens worth a pass of their own
 
 
 class TypedIds(list):
@@ -132,9 +133,24 @@ class PackedScoringTransformer(PackedTransformer):
                 raise ValueError(f"Input {first_index + index} has no tokens; there is nothing to score.")
         return sequences
 
+    def shared_prefix(self, sequences: list[list[int]]) -> Prefix | None:
+        """The tokens every pair of a chunk begins with (a chat template's head and instruction; rank()'s query
+        too), computed once on a causal-LM reranker: each pair keeps at least one token of its own, which the
+        LM-head rows are read at. None where fewer than MIN_SHARED tokens are shared, or for any other model."""
+        if self.transformer_task != "text-generation" or not getattr(self.model, "reuses_prefix", False):
+            return None
+        first, length = sequences[0], min(len(ids) for ids in sequences) - 1
+        for ids in sequences[1:]:
+            same = 0
+            while same < length and ids[same] == first[same]:
+                same += 1
+            if (length := same) < MIN_SHARED:
+                return None
+        return Prefix(tuple(first[:length]), length) if length >= MIN_SHARED else None
+
     def pack(self, sequences: list[list[int]], prompt: str | None = None, prefix: Prefix | None = None) -> dict:
-        if prefix is not None:
-            raise UnsupportedModelError("A prompt computed once for a cross-encoder")
+        if prefix is not None:  # a causal LM's pairs after their shared tokens (shared_prefix)
+            return super().pack(sequences, None, prefix)
         types = [s.token_types for s in sequences] if hasattr(sequences[0], "token_types") else None
         return {"packed": PackedBatch.from_sequences(sequences, self.model.position_offset, types)}
 
