@@ -26,6 +26,7 @@ from st_fastbackend.engine.prefix import Prefix
 from st_fastbackend.engine.schedule import Schedule, default_max_tokens
 from st_fastbackend.engine.spec import UnsupportedModelError
 from st_fastbackend.modules import PackedTransformer, check_texts
+from st_fastbackend.modules.tokenizer import TextTokenizer
 
 TOKENIZE_CHUNK = 4096  # inputs tokenized together (while the previous chunk runs) and sorted by length
 Tokenize = Callable[[list, range], list[list[int]]]  # (the chunk's inputs, their positions) -> token ids
@@ -186,6 +187,14 @@ def default_module_kwargs(
     return {"model_kwargs": {**shared, **(model_kwargs or {})},
             "processor_kwargs": {**shared, **(processor_kwargs or {})},
             "config_kwargs": {**shared, **(config_kwargs or {})}}  # fmt: skip
+
+
+def text_tokens(texts: TextTokenizer, prompt: str | None) -> Tokenize:
+    """packed_runs' tokenize for texts: prompt + text as encode() tokenizes them. The prompt is measured (and
+    cached) now, on the caller's thread: the tokenizer must not run in two threads at once."""
+    if prompt:
+        texts.prompt_length(prompt)
+    return lambda chunk, positions: texts.encode(chunk, prompt, first_index=positions.start)
 
 
 def check_budget(tokens: int | None) -> int | None:

@@ -19,7 +19,7 @@ from torch import Tensor
 from st_fastbackend.engine.spec import UnsupportedModelError
 from st_fastbackend.models.chunked import aggregate, chunk_vectors, pipeline_normalizes
 from st_fastbackend.models.chunking import Chunking, Chunks
-from st_fastbackend.models.fast import FastModel, default_module_kwargs
+from st_fastbackend.models.fast import FastModel, default_module_kwargs, text_tokens
 from st_fastbackend.models.host_rows import HostRows
 from st_fastbackend.modules import PackedPooling, PackedTransformer
 
@@ -80,13 +80,7 @@ class SentenceTransformer(FastModel, sentence_transformers.SentenceTransformer):
                    "show_progress_bar": show_progress_bar, **kwargs}  # fmt: skip
             return self._aggregated(inputs, chunking, prompt, output_value, normalize_embeddings, truncate_dim,
                                     save_to_cpu, run)  # fmt: skip
-        texts = self[0].texts
-        if prompt:  # measured (and cached) now: the tokenizer must not run in two threads at once
-            texts.prompt_length(prompt)
-
-        def tokenize(chunk: list[str], positions: range) -> list[list[int]]:
-            return texts.encode(chunk, prompt, first_index=positions.start)
-
+        tokenize = text_tokens(self[0].texts, prompt)
         results: list = [None] * len(inputs)
         copied = device.type == "cuda" and save_to_cpu and output_value == "sentence_embedding"  # see _rows
         landing = HostRows(results, copied_from=device if copied else None)

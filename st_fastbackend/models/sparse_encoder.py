@@ -22,7 +22,7 @@ from sentence_transformers.util import select_max_active_dims
 from torch import Tensor
 
 from st_fastbackend.engine.spec import UnsupportedModelError
-from st_fastbackend.models.fast import FastModel, default_module_kwargs
+from st_fastbackend.models.fast import FastModel, default_module_kwargs, text_tokens
 from st_fastbackend.modules import PackedPooling, PackedTransformer
 from st_fastbackend.modules.files import architectures
 from st_fastbackend.modules.options import task_config
@@ -133,13 +133,7 @@ class SparseEncoder(FastModel, sentence_transformers.SparseEncoder):
                 max_active_dims=max_active_dims, device=device, **kwargs,
             )  # fmt: skip
         device, max_tokens = self._inference_start(inputs, device, max_tokens_per_batch)
-        texts = route[0].texts
-        if prompt:  # measured (and cached) now: the tokenizer must not run in two threads at once
-            texts.prompt_length(prompt)
-
-        def tokenize(chunk: list[str], positions: range) -> list[list[int]]:
-            return texts.encode(chunk, prompt, first_index=positions.start)
-
+        tokenize = text_tokens(route[0].texts, prompt)
         if max_active_dims is not None:
             kwargs["max_active_dims"] = max_active_dims  # SparseAutoEncoder's k
         rows: list = [None] * len(inputs)
