@@ -9,6 +9,11 @@ ceiling measured in the same run, and peak extra memory.
     python eval/bench.py --models minilm --workloads sts --dtypes fp32 --rounds 3
     python eval/bench.py --peers vllm=/opt/vllm-cpu/bin/python openvino=/opt/ov/bin/python
     python eval/bench.py --dtypes fp32 --int8 --peers onnx-int8=/tmp/peer/bin/python openvino-int8=/tmp/peer/bin/python
+    python eval/bench.py --models splade colbert --workloads scifact-docs --dtypes fp32 bf16 --batch-size 16
+
+splade (a SparseEncoder) and colbert (a MultiVectorEncoder) are timed on encode_document(); their fidelity is on
+the dense view [N, vocab] and whether each row's active dimensions are the reference's (splade), per token and
+whether each text keeps the reference's number of vectors (colbert).
 
 --peers runs other systems installed in their own environments through eval/peer.py on the same model
 folders and texts (after plain and fast, not interleaved with them) and adds them to the table.
@@ -22,6 +27,9 @@ import statistics
 import numpy as np
 import torch
 from harness import data, measure, models, options, report
+from sentence_transformers.base.modules import Dense
+
+from st_fastbackend import MultiVectorEncoder, SentenceTransformer, SparseEncoder
 
 # Precision levels: the model's dtype and the dtype its matrix products run in. "bf16mm" is an fp32
 # model with PyTorch's torch.backends.mkldnn.matmul.fp32_precision = "bf16" (what
@@ -31,12 +39,13 @@ PRECISIONS = {
     "bf16": (torch.bfloat16, torch.bfloat16),
     "bf16mm": (torch.float32, torch.bfloat16),
 }
+MODELS = ["mistral", "minilm", "embeddinggemma", "modernbert", "splade", "colbert"]
 # Workloads whose texts all take a prompt: e5-style instructed queries (SciFact claims).
 PROMPTS = {
     "instructed": "Instruct: Given a scientific claim, retrieve documents that support or refute the claim\nQuery: "
 }
 # "long" (past MiniLM's 256 tokens) and "instructed" (a decoder's) are the Mistral's.
-NOT_FOR = {"minilm": ("long", "instructed")}
+NOT_FOR = {"minilm": ("long", "instructed"), "splade": ("instructed",), "colbert": ("instructed",)}
 
 
 def workloads(data_dir) -> dict[str, list[str]]:
@@ -45,13 +54,13 @@ def workloads(data_dir) -> dict[str, list[str]]:
         "sts": data.sts_sentences(data_dir)[:1024],
         "long": data.articles(data_dir)[:32],
         "instructed": [query["text"] for query in data.scifact_queries(data_dir)][:1000],
+        "scifact-docs": [data.document(row) for row in data.scifact_corpus(data_dir)[:128]],
     }
 
 
 def arguments():
     parser = options.parser(__doc__, "data_dir", "batch_size", "rounds", "device", "output_dir", "peers")
-    parser.add_argument("--models", nargs="+", default=["mistral", "minilm"],
-                        choices=["mistral", "minilm", "embeddinggemma", "modernbert"])  # fmt: skip
+    parser.add_argument("--models", nargs="+", default=["mistral", "minilm"], choices=MODELS)
     parser.add_argument("--workloads", nargs="+", default=["paragraphs", "sts", "long", "instructed"])
     parser.add_argument("--dtypes", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS))
     parser.add_argument("--max-texts", type=int, default=None, help="the first N texts of each workload")
@@ -65,24 +74,65 @@ def arguments():
 
 
 def compared(systems: dict, path: str, dtype_name: str, prompt: str | None, args) -> dict:
-    """Plain and fast, and the fast backend's variants that the options and the workload ask for."""
+    """Plain and fast, and the fast backend's variants that the options and the workload ask for (--int8: a
+    SentenceTransformer's)."""
     out, fast = dict(systems), systems["fast"]
     if prompt:
         out["fast_prompt_every_time"] = models.switched(fast, "prompt_reuse")
     if args.other_seams:
         compiled = not fast[0].runtime.fused
         out[f"fast_{'compiled' if compiled else 'eager'}_seams"] = models.switched(fast, "compiled_seams", compiled)
-    if args.int8 and dtype_name == "fp32":
+    if args.int8 and dtype_name == "fp32" and isinstance(fast, SentenceTransformer):
         out.update(models.int8_systems(path, args.device))
     return out
 
 
-def row(case: dict, results: dict, ceiling: float, reference: np.ndarray | None) -> dict:
-    """One (model, dtype, workload): each system's tokens/s, FLOP/s, memory and fidelity; fast over plain."""
+def dense_fidelity(embeddings: np.ndarray, reference: np.ndarray) -> dict:
+    """A SentenceTransformer's [N, dim] against the fp32 plain one."""
+    cosine = (embeddings * reference).sum(1)  # both unit-norm
+    return {"max_abs_diff_vs_fp32_plain": float(np.abs(embeddings - reference).max()),
+            "max_1_minus_cos_vs_fp32_plain": float((1 - cosine).max())}  # fmt: skip
+
+
+def sparse_fidelity(embeddings: np.ndarray, reference: np.ndarray) -> dict:
+    """A SparseEncoder's dense view [N, vocab] against the fp32 plain one: max |diff|, worst 1 - cosine (rows are
+    not unit-norm), the rows whose active dimensions are exactly the reference's and the dimensions that differ."""
+    differ = (embeddings != 0) != (reference != 0)
+    norms = np.linalg.norm(embeddings, axis=1) * np.linalg.norm(reference, axis=1)
+    cosine = (embeddings * reference).sum(1) / np.maximum(norms, 1e-30)
+    return {"max_abs_diff_vs_fp32_plain": float(np.abs(embeddings - reference).max()),
+            "max_1_minus_cos_vs_fp32_plain": float((1 - cosine).max()),
+            "rows_same_active_dims": int((~differ.any(1)).sum()), "active_dims_differing": int(differ.sum()),
+            "active_dims_mean": float((reference != 0).sum(1).mean())}  # fmt: skip
+
+
+def multivector_fidelity(embeddings: list[np.ndarray], reference: list[np.ndarray]) -> dict:
+    """A MultiVectorEncoder's [len_i, dim] per text against the fp32 plain ones: the texts with the reference's
+    shape, and over those, max |diff| and worst 1 - cosine per token (vectors unit-norm)."""
+    same = [(e, r) for e, r in zip(embeddings, reference, strict=True) if e.shape == r.shape]
+    return {"max_abs_diff_vs_fp32_plain": max(float(np.abs(e - r).max()) for e, r in same),
+            "max_1_minus_cos_vs_fp32_plain": max(float((1 - (e * r).sum(1)).max()) for e, r in same),
+            "texts_same_shape": len(same)}  # fmt: skip
+
+
+def head_flops(model, tokens: int) -> float:
+    """What each token meets after the body, 2 x its weights: SPLADE's masked-LM head (transform and vocabulary
+    projection), ColBERT's token projection."""
+    if isinstance(model, SparseEncoder):
+        head = model.packed_input.head
+        return 2.0 * tokens * (head.dense.weight.numel() + head.weight.numel())
+    if isinstance(model, MultiVectorEncoder):
+        return 2.0 * tokens * sum(m.linear.weight.numel() for m in model if isinstance(m, Dense))
+    return 0.0
+
+
+def row(case: dict, results: dict, ceiling: float, reference, fidelity=dense_fidelity) -> dict:
+    """One (model, dtype, workload): each system's texts/s, tokens/s, FLOP/s, memory and fidelity; fast over plain."""
     out = dict(case)
     for name, result in results.items():
         seconds = statistics.median(result["times"])
         out[name] = {
+            "texts_per_s": case["texts"] / seconds,
             "tokens_per_s": case["tokens"] / seconds,
             "gflop_per_s": case["gflop"] / seconds,
             "ceiling_fraction": case["gflop"] / seconds / ceiling,
@@ -91,12 +141,13 @@ def row(case: dict, results: dict, ceiling: float, reference: np.ndarray | None)
             "ratio_vs_plain": statistics.median(results["plain"]["times"]) / seconds,
         }
         if reference is not None:
-            out[name]["max_abs_diff_vs_fp32_plain"] = float(np.abs(result["embeddings"] - reference).max())
-            cosine = (result["embeddings"] * reference).sum(1)  # both unit-norm
-            out[name]["max_1_minus_cos_vs_fp32_plain"] = float((1 - cosine).max())
+            out[name].update(fidelity(result["embeddings"], reference))
     out["speedup"] = out["fast"]["tokens_per_s"] / out["plain"]["tokens_per_s"]
     out["memory_ratio"] = out["fast"]["peak_extra_mib"] / max(out["plain"]["peak_extra_mib"], 1e-9)
     return out
+
+
+FIDELITY = {"SparseEncoder": sparse_fidelity, "MultiVectorEncoder": multivector_fidelity}
 
 
 def main() -> None:
@@ -116,12 +167,16 @@ def main() -> None:
             dtype, product_dtype = PRECISIONS[dtype_name]
             bf16_products = dtype == torch.float32 and product_dtype == torch.bfloat16
             torch.backends.mkldnn.matmul.fp32_precision = "bf16" if bf16_products else "none"
-            systems = models.plain_and_fast(path, device=args.device, dtype=dtype)
+            kind = models.KINDS.get(model_name, "SentenceTransformer")
+            systems = models.plain_and_fast(path, kind, device=args.device, dtype=dtype)
             for workload in [w for w in args.workloads if w not in NOT_FOR.get(model_name, ())]:
                 texts, prompt = texts_by_workload[workload][: args.max_texts], PROMPTS.get(workload)
                 token_ids = systems["fast"][0].texts.encode(texts, prompt)
                 systems_here = compared(systems, path, dtype_name, prompt, args)
-                results = measure.encode_rounds(systems_here, texts, args.batch_size, args.rounds, args.device, prompt)
+                method = "encode" if kind == "SentenceTransformer" else "encode_document"
+                results = measure.encode_rounds(
+                    systems_here, texts, args.batch_size, args.rounds, args.device, prompt, method
+                )
                 for peer, python in peers.items():
                     peer_dtype = "fp32" if dtype == torch.float32 else "bf16"  # peers pick their own products
                     results[peer] = models.run_peer(
@@ -129,10 +184,12 @@ def main() -> None:
                     )
                 if dtype_name == "fp32":
                     references[workload] = results["plain"]["embeddings"]
-                gflop = measure.flops(systems["fast"], token_ids) / 1e9
+                tokens = sum(map(len, token_ids))
+                gflop = (measure.flops(systems["fast"], token_ids) + head_flops(systems["fast"], tokens)) / 1e9
                 case = {"model": model_name, "dtype": dtype_name, "workload": workload, "texts": len(texts),
-                        "tokens": sum(map(len, token_ids)), "gflop": gflop}  # fmt: skip
-                rows.append(row(case, results, ceilings[dtype_name], references.get(workload)))
+                        "tokens": tokens, "gflop": gflop}  # fmt: skip
+                fidelity = FIDELITY.get(kind, dense_fidelity)
+                rows.append(row(case, results, ceilings[dtype_name], references.get(workload), fidelity))
                 print(_format(rows[-1]), flush=True)
             del systems
             gc.collect()
@@ -157,6 +214,10 @@ def _format(row: dict) -> str:
     else:
         worst = "max_1_minus_cos_vs_fp32_plain"
         fidelity = f"1-cos fast {fast[worst]:.1e} plain {plain[worst]:.1e}"
+    if "rows_same_active_dims" in fast:
+        fidelity += f"  same active dims {fast['rows_same_active_dims']}/{row['texts']} rows"
+    if "texts_same_shape" in fast:
+        fidelity += f"  same shape {fast['texts_same_shape']}/{row['texts']} texts"
     lines = [
         f"{row['model']:<8} {row['dtype']:<5} {row['workload']:<11} {row['tokens']:>7} tok  "
         f"plain {plain['tokens_per_s']:>7.0f} tok/s ({plain['ceiling_fraction']:.0%})  "

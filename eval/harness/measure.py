@@ -49,25 +49,39 @@ def alternate(calls: dict[str, Callable[[], object]], rounds: int, device: str =
 
 
 def encode_rounds(
-    systems: dict, texts: list[str], batch_size: int, rounds: int, device: str, prompt: str | None = None
-) -> dict[str, dict]:
-    """Each system's embeddings and peak extra memory from an untimed call (after a warm-up call on one
-    batch), then alternating timed rounds of encode(): {name: {"embeddings", "peak_extra_bytes", "times"}}."""
-    import numpy as np
-
+    systems: dict, texts: list[str], batch_size: int, rounds: int, device: str, prompt: str | None = None,
+    method: str = "encode",
+) -> dict[str, dict]:  # fmt: skip
+    """Each system's embeddings (as arrays() makes them) and peak extra memory from an untimed call (after a
+    warm-up call on one batch), then alternating timed rounds of its `method` (encode, or a MultiVectorEncoder's
+    encode_document ...): {name: {"embeddings", "peak_extra_bytes", "times"}}."""
     results: dict[str, dict] = {}
     for name, model in systems.items():
-        model.encode(texts[:batch_size], batch_size=batch_size, prompt=prompt)
+        encode = getattr(model, method)
+        encode(texts[:batch_size], batch_size=batch_size, prompt=prompt)
         with PeakMemory(device) as memory:
-            embeddings = model.encode(texts, batch_size=batch_size, convert_to_numpy=True, prompt=prompt)
-        results[name] = {"embeddings": embeddings.astype(np.float32), "peak_extra_bytes": memory.extra}
+            embeddings = encode(texts, batch_size=batch_size, prompt=prompt)
+        results[name] = {"embeddings": arrays(embeddings), "peak_extra_bytes": memory.extra}
     calls = {
-        name: (lambda m=model: m.encode(texts, batch_size=batch_size, prompt=prompt))
+        name: (lambda m=model: getattr(m, method)(texts, batch_size=batch_size, prompt=prompt))
         for name, model in systems.items()
     }
     for name, seconds in alternate(calls, rounds, device).seconds.items():
         results[name]["times"] = seconds
     return results
+
+
+def arrays(output):
+    """What an encode method returned, as float32 numpy: an array as it is (a SentenceTransformer's [N, dim]), a
+    tensor as an array (a SparseEncoder's sparse [N, vocab]: its dense view), a list (a MultiVectorEncoder's
+    [len_i, dim] per text) item by item."""
+    import numpy as np
+
+    if isinstance(output, list):
+        return [arrays(item) for item in output]
+    if hasattr(output, "to_dense"):  # a torch tensor, sparse or strided
+        output = output.to_dense().float().cpu().numpy()
+    return np.asarray(output, dtype=np.float32)
 
 
 def rss_bytes(pid: int | str = "self") -> int:

@@ -31,9 +31,22 @@ MODERNBERT_SHAPED = dict(
     local_attention=128, max_position_embeddings=8192,
 )  # fmt: skip
 
+# bert-base-uncased's widths (its config.json), 4 of its 12 layers: the body of SPLADE (naver/splade-v3, a
+# BertForMaskedLM) and of ColBERT (colbert-ir/colbertv2.0, with its 768 -> 128 token projection); all-MiniLM-L6-v2's
+# tokenizer is the same 30,522-token uncased WordPiece vocabulary. SPLADE's masked-LM head (2 x 768 x (768 +
+# 30,522) FLOPs a token) is ~46% of the FLOPs at 4 layers, ~22% at 12: its share, unlike a layer's, depends on
+# the depth (RESULTS.md puts the two apart).
+BERT_BASE_SHAPED = dict(
+    model_type="bert", hidden_size=768, num_hidden_layers=4, num_attention_heads=12, intermediate_size=3072,
+    max_position_embeddings=512,
+)  # fmt: skip
+# The sentence-transformers class of each model that is not a SentenceTransformer.
+KINDS = {"splade": "SparseEncoder", "colbert": "MultiVectorEncoder"}
+
 
 def model_path(name: str) -> str:
-    """A sentence-transformers folder by name: "minilm" (real), "mistral", "embeddinggemma", "modernbert"."""
+    """A sentence-transformers folder by name: "minilm" (real), "mistral", "embeddinggemma", "modernbert",
+    "splade", "colbert" (random weights; KINDS names their classes)."""
     if name == "minilm":
         return minilm_path()
     if name == "mistral":
@@ -42,6 +55,10 @@ def model_path(name: str) -> str:
         return str(shaped(CACHE / "embeddinggemma-shaped", EMBEDDING_GEMMA_SHAPED, "mean", dense=(3072, 768)))
     if name == "modernbert":
         return str(shaped(CACHE / "modernbert-shaped", MODERNBERT_SHAPED, "cls"))
+    if name == "splade":
+        return str(splade_shaped(CACHE / "splade-bert-base-4l", BERT_BASE_SHAPED))
+    if name == "colbert":
+        return str(colbert_shaped(CACHE / "colbert-bert-base-4l", BERT_BASE_SHAPED))
     raise ValueError(f"Unknown model {name!r}")
 
 
@@ -76,6 +93,46 @@ def shaped(folder: Path, shape: dict, pooling: str, dense: tuple[int, ...] = (),
         modules.append(Dense(width, size, bias=False, activation_function=torch.nn.Identity()))
         width = size
     PlainSentenceTransformer(modules=[*modules, Normalize()], device="cpu").save(str(folder))
+    shutil.rmtree(hf)
+    return folder
+
+
+def splade_shaped(folder: Path, shape: dict, max_seq_length: int = 512) -> Path:
+    """A SPLADE folder around random *ForMaskedLM weights of `shape`: a fill-mask Transformer, then max
+    SpladePooling (relu, log1p). Built once."""
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.base.modules import Transformer
+    from sentence_transformers.sparse_encoder.modules import SpladePooling
+
+    if (folder / "modules.json").is_file():
+        return folder
+    hf = random_weights(folder / "hf", shape, "AutoModelForMaskedLM")
+    transformer = Transformer(str(hf), transformer_task="fill-mask", max_seq_length=max_seq_length)
+    SparseEncoder(modules=[transformer, SpladePooling(pooling_strategy="max")], device="cpu").save(str(folder))
+    shutil.rmtree(hf)
+    return folder
+
+
+def colbert_shaped(folder: Path, shape: dict, dim: int = 128, max_seq_length: int = 512) -> Path:
+    """A ColBERT folder around random weights of `shape`: Transformer, a token-level Dense to `dim` (no bias, no
+    activation, seed 0), MultiVectorMask with ColBERT's punctuation skiplist, Normalize. Built once."""
+    import string
+
+    import torch
+    from sentence_transformers import MultiVectorEncoder
+    from sentence_transformers.base.modules import Dense, Normalize, Transformer
+    from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask
+
+    if (folder / "modules.json").is_file():
+        return folder
+    hf = random_weights(folder / "hf", shape)
+    transformer = Transformer(str(hf), max_seq_length=max_seq_length)
+    torch.manual_seed(0)
+    dense = Dense(shape["hidden_size"], dim, bias=False, activation_function=torch.nn.Identity(),
+                  module_input_name="token_embeddings")  # fmt: skip
+    mask = MultiVectorMask(skiplist_words=list(string.punctuation))
+    modules = [transformer, dense, mask, Normalize(module_input_name="token_embeddings")]
+    MultiVectorEncoder(modules=modules, device="cpu").save(str(folder))
     shutil.rmtree(hf)
     return folder
 
