@@ -120,7 +120,7 @@ def head_flops(model, tokens: int) -> float:
     projection), ColBERT's token projection."""
     if isinstance(model, SparseEncoder):
         head = model.packed_input.head
-        return 2.0 * tokens * (head.dense.weight.numel() + head.weight.numel())
+        return 2.0 * tokens * (head.dense.weight.numel() + head.decoder.weight.numel())
     if isinstance(model, MultiVectorEncoder):
         return 2.0 * tokens * sum(m.linear.weight.numel() for m in model if isinstance(m, Dense))
     return 0.0
@@ -202,7 +202,7 @@ def main() -> None:
         "ceilings_gflops": ceilings,
         "rows": rows,
     }
-    out = report.write_json(args.output_dir / f"bench-{stamp}.json", payload)
+    out = report.results_file(args.output_dir, "bench", payload, stamp)
     report.chart(rows, [f"{r['model']}\n{r['dtype']} {r['workload']}" for r in rows], out.with_suffix(".png"))
     print(f"written to {out} and {out.with_suffix('.png')}")
 

@@ -126,3 +126,23 @@ def test_bare_masked_lm_checkpoint(tmp_path, texts):
     assert_same(plain.encode(texts[:8]), fast.encode(texts[:8]))
     with pytest.raises(UnsupportedModelError, match="ForMaskedLM"):
         SparseEncoder(str(build_hf_model(tmp_path / "base", "bert")), backend="fast", device=DEVICE)
+
+
+def test_head_products_follow_the_body(splade_folder):
+    """The vocabulary projection takes the body's oneDNN products on a CPU (reordered weights), and stays in
+    floating point where the body runs int8; the tied decoder is the word embeddings themselves, not a copy."""
+    from st_fastbackend.engine import onednn, quantize
+    from st_fastbackend.engine.layers import Linear
+
+    fast = SparseEncoder(str(splade_folder("bert")), backend="fast", device=DEVICE)
+    body = next(m for m in fast[0].model.modules() if isinstance(m, Linear))
+    assert fast[0].head.decoder.product_dtype == body.product_dtype
+    if DEVICE == "cpu" and onednn.onednn_dtypes():
+        assert body.product_dtype == torch.float32
+    embeddings = fast[0].model.embeddings.word_embeddings.weight
+    assert fast[0].head.decoder.weight.data_ptr() == embeddings.data_ptr()
+    if DEVICE == "cpu" and quantize.int8_supported():
+        quantized = {"quantize": "int8"}
+        int8 = SparseEncoder(str(splade_folder("bert")), backend="fast", device=DEVICE, model_kwargs=quantized)
+        assert next(m for m in int8[0].model.modules() if isinstance(m, Linear)).product_dtype == torch.int8
+        assert int8[0].head.decoder.product_dtype in (torch.float32, None)

@@ -20,6 +20,8 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
+from st_fastbackend.engine import onednn
+from st_fastbackend.engine.layers import Linear
 from st_fastbackend.engine.spec import UnsupportedModelError
 from st_fastbackend.engine.weights import CheckpointError, read_tensors
 from st_fastbackend.modules.options import task_config
@@ -87,6 +89,16 @@ class PackedMaskedLM(PackedTransformer):
     def get_config_dict(self) -> dict[str, Any]:
         return {**super().get_config_dict(), "transformer_task": "fill-mask"}
 
+    def _use(self, runtime) -> None:
+        """The body as PackedTransformer sets it up; the head's products in floating point: oneDNN's on a CPU
+        where the body's may (its int8 products too), else PyTorch's."""
+        super()._use(runtime)
+        weight = self.head.decoder.weight
+        products = onednn.product_dtype(weight.dtype) if self.onednn_copies and weight.device.type == "cpu" else None
+        for layer in self.head.modules():
+            if isinstance(layer, Linear):
+                layer.product_dtype = products if self.quantize else runtime.product_dtype
+
     def get_embedding_dimension(self) -> int:
         return self.config.vocab_size
 
@@ -98,21 +110,22 @@ class PackedMaskedLM(PackedTransformer):
 
 
 class _Head(nn.Module):
-    def __init__(self, dense: nn.Linear, act, norm: nn.LayerNorm, weight: Tensor, bias: Tensor | None) -> None:
+    """The transform and the decoder, both engine Linears: on a CPU their products go through oneDNN on reordered
+    weights as the body's do (PackedMaskedLM._use), in floating point also where the body runs int8."""
+
+    def __init__(self, dense: Linear, act, norm: nn.LayerNorm, decoder: Linear) -> None:
         super().__init__()
-        self.dense, self.act, self.norm = dense, act, norm
-        self.register_buffer("weight", weight, persistent=False)  # may be the body's embeddings (tied)
-        self.register_buffer("bias", bias, persistent=False)
+        self.dense, self.act, self.norm, self.decoder = dense, act, norm, decoder
+
+    @property
+    def vocab_size(self) -> int:
+        return self.decoder.weight.shape[0]
 
     def transform(self, h: Tensor) -> Tensor:
         return self.norm(self.act(self.dense(h)))
 
-    @property
-    def vocab_size(self) -> int:
-        return self.weight.shape[0]
-
     def logits(self, rows: Tensor) -> Tensor:
-        return nn.functional.linear(rows, self.weight, self.bias)  # [n, hidden] -> [n, vocab]
+        return self.decoder(rows)  # [n, hidden] -> [n, vocab]
 
 
 def _head(layout: MaskedLMHead, config: PretrainedConfig, folder, body: nn.Module, device, dtype) -> _Head:
@@ -131,7 +144,7 @@ def _head(layout: MaskedLMHead, config: PretrainedConfig, folder, body: nn.Modul
         return field is None or bool(getattr(config, field))
 
     hidden = config.hidden_size if hasattr(config, "hidden_size") else config.dim
-    dense = nn.Linear(hidden, hidden, bias=has(layout.dense_bias), device=device, dtype=dtype)
+    dense = Linear(hidden, hidden, bias=has(layout.dense_bias), device=device, dtype=dtype)
     eps = getattr(config, layout.eps) if layout.eps else 1e-12
     norm = nn.LayerNorm(hidden, eps=eps, bias=has(layout.norm_bias), device=device, dtype=dtype)
     with torch.no_grad():
@@ -149,7 +162,12 @@ def _head(layout: MaskedLMHead, config: PretrainedConfig, folder, body: nn.Modul
     act_name = getattr(config, layout.activation) if layout.activation else "gelu"
     if act_name not in ACT2FN:
         raise UnsupportedModelError(f"The masked-LM head's activation {act_name!r}")
-    return _Head(dense, ACT2FN[act_name], norm, weight, bias)
+    with torch.device("meta"):
+        decoder = Linear(hidden, config.vocab_size, bias=bias is not None)
+    decoder.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        decoder.bias = nn.Parameter(bias, requires_grad=False)
+    return _Head(dense, ACT2FN[act_name], norm, decoder)
 
 
 class PackedSpladePooling(SpladePooling):
@@ -163,6 +181,7 @@ class PackedSpladePooling(SpladePooling):
         h, head, lengths = features["token_embeddings"], features["mlm_head"], features["packed"].lengths
         pooled = None
         step = max(1, SLICE_ELEMENTS // head.vocab_size)
+        step = 1 << (step.bit_length() - 1) if step > 64 else step  # a size the oneDNN product takes unpadded
         sequence, start_of_sequence = 0, 0  # the sequence the slice starts in, and where that sequence starts
         for start in range(0, h.shape[0], step):
             rows = head.logits(h[start : start + step])  # [n, vocab]
