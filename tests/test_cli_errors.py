@@ -91,11 +91,21 @@ def test_version_and_help_without_torch():
 
 def test_library_names_still_import():
     import st_fastbackend
-    from st_fastbackend import Chunking, CrossEncoder, SentenceTransformer, UnsupportedModelError
+    from st_fastbackend import (
+        Chunking,
+        CrossEncoder,
+        MultiVectorEncoder,
+        SentenceTransformer,
+        SparseEncoder,
+        UnsupportedModelError,
+    )
 
     assert SentenceTransformer.__module__ == "st_fastbackend.models.sentence_transformer"
     assert CrossEncoder.__module__ == "st_fastbackend.models.cross_encoder" and Chunking.__name__ == "Chunking"
+    assert SparseEncoder.__module__ == "st_fastbackend.models.sparse_encoder"
+    assert MultiVectorEncoder.__module__ == "st_fastbackend.models.multi_vector_encoder"
     assert issubclass(UnsupportedModelError, Exception)
-    assert set(st_fastbackend.__all__) == {"SentenceTransformer", "CrossEncoder", "Chunking", "UnsupportedModelError"}
+    classes = {"SentenceTransformer", "CrossEncoder", "SparseEncoder", "MultiVectorEncoder"}
+    assert set(st_fastbackend.__all__) == classes | {"Chunking", "UnsupportedModelError"}
     with pytest.raises(AttributeError):
         st_fastbackend.nothing  # noqa: B018
