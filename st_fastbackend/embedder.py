@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 from sentence_transformers.base.modules import Normalize
+from sentence_transformers.util import select_max_active_dims
 
 from st_fastbackend.engine.schedule import Schedule
 from st_fastbackend.models import SentenceTransformer
@@ -13,6 +14,7 @@ from st_fastbackend.models.chunking import Chunking
 from st_fastbackend.modules import PackedTransformer
 from st_fastbackend.modules.tokenizer import DocumentTokens, TextTokenizer
 
+DOCUMENT_PROMPTS = ("document", "passage", "corpus")  # encode_document's prompt names, the first found taken
 # The model classes with more than a dense vector per text, and what the server gives for each kind.
 MODEL_KINDS = {"SparseEncoder": "sparse", "MultiVectorEncoder": "multi_vector"}
 KIND_OUTPUTS = {"dense": ("sentence_embedding", "token_embeddings"), "sparse": ("sparse",),
@@ -38,6 +40,8 @@ class Embedder:
         self.outputs: tuple[str, ...] = KIND_OUTPUTS[self.kind]
         self.token_output: str | None = {"dense": "token_embeddings", "multi_vector": "multi_vector"}.get(self.kind)
         self.token_dimension: int = packed.get_embedding_dimension() if self.kind == "dense" else self.dimension
+        self.max_active_dims: int | None = getattr(model, "max_active_dims", None)  # a SparseEncoder's own
+        self.document_length: int | None = getattr(packed, "document_length", None)  # a MultiVectorEncoder's
 
     def describe(self) -> dict:
         """What runs: device, the weights' dtype, pooling, the attention kernel, the products' dtype, int8 or not."""
@@ -62,18 +66,25 @@ class Embedder:
 
     def resolve_prompt(self, prompt: str | None, prompt_name: str | None) -> str | None:
         """As encode() resolves it: `prompt`, else the model's prompt named `prompt_name`, else the model's
-        default prompt; None for none. ValueError for an unknown name."""
+        default prompt; None for none. ValueError for an unknown name. A sparse or multi-vector model is served
+        as encode_document() encodes: without either, its first of DOCUMENT_PROMPTS."""
+        if prompt is None and prompt_name is None and self.kind != "dense":
+            prompt_name = next((name for name in DOCUMENT_PROMPTS if name in self.prompts), None)
         return self._model._resolve_prompt(prompt, prompt_name) or None
 
     def tokenize(self, texts: list[str], prompt: str | None, max_length: int | None = None) -> list[list[int]]:
-        """Token ids of prompt + text as encode() makes them; ValueError names an input without tokens."""
+        """Token ids of prompt + text as encode() makes them (a multi-vector model's documents at its
+        document_length); ValueError names an input without tokens."""
         if prompt:  # measured (and cached) here, on the caller's thread, so packing never tokenizes
             self.texts.prompt_length(prompt)
+        if self.document_length is not None:
+            max_length = min(max_length or self.document_length, self.document_length)
         return self.texts.encode(texts, prompt, max_length)
 
-    def late_room(self, chunking: Chunking, document: DocumentTokens) -> int:
-        """Text tokens a late-chunking window holds; ValueError for a pooling without meaning over a span."""
-        return late_room(self._model, chunking, document)
+    def late_room(self, chunking: Chunking, document: DocumentTokens, max_seq_length: int) -> int:
+        """Text tokens a late-chunking window holds for chunks cut for `max_seq_length`; ValueError for a pooling
+        without meaning over a span."""
+        return late_room(self._model, chunking, document, max_seq_length)
 
     def late_chunks(self, out: dict, spans: list[list[tuple[int, int]]]) -> list[torch.Tensor]:
         """Per pack row, its spans' vectors [k, dim] (float, on the host): each span of the row's token embeddings
@@ -85,5 +96,22 @@ class Embedder:
         return list(vectors.float().cpu().split([len(row) for row in spans]))
 
     def schedule(self, prompt: str | None, max_texts: int, max_tokens: int) -> Schedule:
-        """The packing schedule (engine/schedule.py) for sequences tokenized with `prompt`."""
+        """The packing schedule (engine/schedule.py) for sequences tokenized with `prompt`; a sparse model's keeps
+        its max_active_dims."""
+        if self.max_active_dims is not None:
+            return TopDimensions(self._model, prompt, self.device, max_texts, max_tokens, self.max_active_dims)
         return Schedule(self._model, prompt, self.device, max_texts, max_tokens)
+
+
+class TopDimensions(Schedule):
+    """A SparseEncoder's schedule with its max_active_dims: each row's largest dimensions kept (and the number
+    given to a SparseAutoEncoder), as its encode() does without a max_active_dims of the call's."""
+
+    def __init__(self, model, prompt, device, max_texts: int, max_tokens: int, max_active_dims: int) -> None:
+        super().__init__(model, prompt, device, max_texts, max_tokens)
+        self.max_active_dims = max_active_dims
+
+    def run(self, sequences, **kwargs):
+        for picked, out in super().run(sequences, max_active_dims=self.max_active_dims, **kwargs):
+            out["sentence_embedding"] = select_max_active_dims(out["sentence_embedding"], self.max_active_dims)
+            yield picked, out

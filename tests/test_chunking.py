@@ -257,3 +257,5 @@ def test_server_late_chunking(st_model, family):
         assert max_diff([d["embedding"] for d in mean["data"]], want) <= TOLERANCE
         over = post({"input": texts, "chunking": {**chunking, "context": limit + 1}})
         assert over.status_code == 400 and "input tokens" in over.text
+        default = post({"input": texts, "chunking": {"late": True}})  # chunks of what the input limit leaves
+        assert default.status_code == 200, default.text

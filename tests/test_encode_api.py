@@ -141,3 +141,21 @@ def test_started_pool_gives_the_same_vectors(models, texts):
     finally:
         fast.stop_multi_process_pool(pool)
     np.testing.assert_allclose(pooled, fast.encode(texts, batch_size=8, prompt_name="query"), atol=TOLERANCE, rtol=0)
+
+
+def test_token_embeddings_with_a_prompt_computed_once(st_model, texts):
+    """On a causal decoder the prompt is computed once, yet token embeddings hold every token of prompt + text as
+    plain gives them (the prompt's rows first), in output_value=None's dicts too."""
+    folder = st_model("qwen3", pooling_mode="mean")
+    plain, fast = load_both(folder)
+    prompt = "Instruct: retrieve the passage that answers the question\nQuery:"
+    a = plain.encode(texts[:8], prompt=prompt, output_value="token_embeddings")
+    b = fast.encode(texts[:8], prompt=prompt, output_value="token_embeddings")
+    assert fast.prompt_prefix(prompt) is not None  # the prompt is computed once here
+    assert [tuple(x.shape) for x in a] == [tuple(y.shape) for y in b]
+    assert max(max_diff(x, y) for x, y in zip(a, b, strict=True)) <= TOLERANCE
+    dicts = fast.encode(texts[:3], prompt=prompt, output_value=None)
+    expected = plain.encode(texts[:3], prompt=prompt, output_value=None)
+    for x, y in zip(expected, dicts, strict=True):
+        n = int(x["attention_mask"].sum())
+        assert torch.equal(x["input_ids"][:n].cpu(), y["input_ids"].cpu()) and y["token_embeddings"].shape[0] == n

@@ -80,3 +80,25 @@ def test_cli_serves_a_sparse_folder(splade_folder):
     finally:
         process.terminate()
         process.wait(timeout=60)
+
+
+def test_served_as_encode_document(tmp_path):
+    """A SparseEncoder's max_active_dims and a MultiVectorEncoder's document_length and document prompt hold on
+    the server, as encode_document gives them."""
+    prompts = {"query": "query:", "document": "passage:"}
+    splade = build_splade(tmp_path / "splade", "bert", prompts=prompts)
+    model = SparseEncoder(str(splade), backend="fast", device=DEVICE, max_active_dims=5)
+    with client_for(SparseEncoder(str(splade), backend="fast", device=DEVICE, max_active_dims=5)) as client:
+        got = post(client, "/embed_sparse", {"inputs": TEXTS[:6], "truncate": True})
+        expected = model.encode_document(TEXTS[:6], convert_to_tensor=True, convert_to_sparse_tensor=False)
+        for row, values in zip(expected, got, strict=True):
+            assert len(values) == 5 and [v["index"] for v in values] == row.nonzero().squeeze(1).tolist()
+            assert max_diff([v["value"] for v in values], row[row != 0]) <= TOLERANCE
+    colbert = build_colbert(tmp_path / "colbert", "bert", document_length=16, prompts=prompts)
+    model = MultiVectorEncoder(str(colbert), backend="fast", device=DEVICE)
+    with client_for(MultiVectorEncoder(str(colbert), backend="fast", device=DEVICE)) as client:
+        got = post(client, "/embed_all", {"inputs": TEXTS[:6], "truncate": True})
+        expected = model.encode_document(TEXTS[:6])
+        assert max(len(vectors) for vectors in expected) == 16
+        for vectors, values in zip(expected, got, strict=True):
+            assert (len(values), len(values[0])) == tuple(vectors.shape) and max_diff(values, vectors) <= TOLERANCE

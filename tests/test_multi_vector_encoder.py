@@ -101,3 +101,15 @@ def test_unattended_expansion_on_a_decoder_is_refused(tmp_path):
     folder = build_colbert(tmp_path, "qwen3", query_expansion={**EXPANSION, "attend": False})
     with pytest.raises(UnsupportedModelError, match="attend=False"):
         MultiVectorEncoder(str(folder), backend="fast", device=DEVICE)
+
+
+def test_an_expansion_token_outside_the_vocabulary_is_refused(tmp_path):
+    """As plain refuses it at load (its own check), rather than padding queries with [UNK]."""
+    import json
+
+    folder = build_colbert(tmp_path, "bert", query_expansion=EXPANSION)
+    config = json.loads((folder / "sentence_bert_config.json").read_text())
+    config["query_expansion"]["token"] = "[NOT_A_TOKEN]"
+    (folder / "sentence_bert_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="isn't in this tokenizer's vocabulary"):
+        MultiVectorEncoder(str(folder), backend="fast", device=DEVICE)

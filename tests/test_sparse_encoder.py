@@ -146,3 +146,29 @@ def test_head_products_follow_the_body(splade_folder):
         int8 = SparseEncoder(str(splade_folder("bert")), backend="fast", device=DEVICE, model_kwargs=quantized)
         assert next(m for m in int8[0].model.modules() if isinstance(m, Linear)).product_dtype == torch.int8
         assert int8[0].head.decoder.product_dtype in (torch.float32, None)
+
+
+def test_forward_with_gradients_on(splade_folder, texts):
+    """forward_sequences outside inference mode (the head's parameters want gradients): the same rows."""
+    fast = SparseEncoder(str(splade_folder("bert")), backend="fast", device=DEVICE)
+    ids = fast.packed_input.texts.encode(texts[2:6])
+    with torch.no_grad():
+        expected = fast.forward_sequences(ids)["sentence_embedding"]
+    assert max_diff(fast.forward_sequences(ids)["sentence_embedding"].detach(), expected) <= TOLERANCE
+
+
+def test_module_classes_outside_sentence_transformers_are_not_imported(splade_folder, tmp_path, monkeypatch):
+    """A modules.json type outside sentence_transformers is not imported by the fast backend before
+    sentence-transformers' remote-code check refuses it."""
+    import shutil
+    import sys
+
+    folder = shutil.copytree(splade_folder("bert"), tmp_path / "evil")
+    modules = json.loads((folder / "modules.json").read_text())
+    modules[1]["type"] = "evil_module_for_the_test.Pooling"
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (tmp_path / "evil_module_for_the_test.py").write_text("raise RuntimeError('imported')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        SparseEncoder(str(folder), backend="fast", device=DEVICE)
+    assert "evil_module_for_the_test" not in sys.modules

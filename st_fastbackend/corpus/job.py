@@ -25,7 +25,7 @@ from st_fastbackend.corpus.read import (
     read_batches,
     still_to_embed,
 )
-from st_fastbackend.embedder import Embedder
+from st_fastbackend.embedder import DOCUMENT_PROMPTS, Embedder
 from st_fastbackend.models.chunked import aggregate, pipeline_normalizes
 from st_fastbackend.models.chunking import Chunking
 from st_fastbackend.modules.tokenizer import NoTokensError
@@ -109,7 +109,6 @@ DOCUMENT_ROWS = {
         multi_vector_rows, lambda packed, texts, prompt: packed.encode_task(texts, prompt, "document", 0)
     ),
 }
-DOCUMENT_PROMPTS = ("document", "passage", "corpus")  # encode_document's prompt names, first found used
 
 
 class DocumentEmbedder:

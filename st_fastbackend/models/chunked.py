@@ -56,8 +56,9 @@ def chunk_vectors(model, inputs: list[str], chunking: Chunking, prompt: str | No
     return [(stacked[d], spans[d], char_spans(documents[d], spans[d])) for d in range(len(documents))]
 
 
-def late_room(model, chunking: Chunking, document) -> int:
-    """Text tokens a late-chunking window holds; refuses a pipeline whose pooling has no meaning over a span."""
+def late_room(model, chunking: Chunking, document, max_seq_length: int | None = None) -> int:
+    """Text tokens a late-chunking window holds; refuses a pipeline whose pooling has no meaning over a span.
+    `max_seq_length`: what the chunks were cut for (default the model's)."""
     modules = list(model._modules.values())
     modes = getattr(modules[1], "pooling_mode", None) if len(modules) > 1 else None
     modes = (modes,) if isinstance(modes, str) else tuple(modes or ("no pooling",))
@@ -76,7 +77,7 @@ def late_room(model, chunking: Chunking, document) -> int:
     if positions is not None and context > positions:
         raise ValueError(f"Chunking.context={context} is more than the model's {positions} positions.")
     room = context - len(document.head) - len(document.tail)
-    size = chunk_size(chunking, document, model[0].max_seq_length)
+    size = chunk_size(chunking, document, max_seq_length or model[0].max_seq_length)
     if size > room:
         raise ValueError(f"Chunking.context={context} holds {room} text tokens, fewer than one chunk's {size}.")
     return room

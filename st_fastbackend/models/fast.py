@@ -266,6 +266,8 @@ class _FastClasses(Mapping):
         self.fast_modules = fast_modules
 
     def __getitem__(self, class_ref: str) -> type:
+        if not class_ref.startswith("sentence_transformers."):  # nothing else is imported before its remote-code
+            raise KeyError(class_ref)  # check (sentence-transformers' import_module_class)
         try:
             found = import_from_string(class_ref)
         except (ImportError, AttributeError, ValueError):  # not importable here: sentence-transformers says why

@@ -155,13 +155,23 @@ def _rows(out: dict[str, Any], output_value: str | None, truncate_dim, normalize
     return rows.to("cpu", non_blocking=True) if to_cpu else rows
 
 
+def per_text_tokens(out: dict[str, Any]) -> tuple[list[Tensor], list[Tensor]]:
+    """Each text's token ids [len_i] and token embeddings [len_i, hidden], every token of prompt + text as plain
+    sentence-transformers gives them: in a pack after a prompt computed once, the prompt's own rows first."""
+    lengths = list(out["packed"].lengths)
+    ids, tokens = out["packed"].input_ids.split(lengths), out["token_embeddings"].split(lengths)  # [T] -> B x [len_i]
+    prefix = out.get("prefix")
+    if prefix is None:
+        return list(ids), list(tokens)
+    head = torch.tensor(prefix.ids, device=ids[0].device)
+    return [torch.cat([head, i]) for i in ids], [torch.cat([prefix.states.to(t.dtype), t]) for t in tokens]
+
+
 def _per_text_outputs(out: dict[str, Any], output_value: str | None) -> list:
     """Unpadded per-text results: token embeddings [len_i, hidden], or a dict of everything."""
-    lengths = list(out["packed"].lengths)
-    tokens = out["token_embeddings"].split(lengths)  # [T, H] -> B x [len_i, H]
+    input_ids, tokens = per_text_tokens(out)
     if output_value == "token_embeddings":
-        return list(tokens)
-    input_ids = out["packed"].input_ids.split(lengths)
+        return tokens
     per_text = []
     for i, (ids, token_embeddings) in enumerate(zip(input_ids, tokens, strict=True)):
         item = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_embeddings": token_embeddings}

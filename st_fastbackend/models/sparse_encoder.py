@@ -57,8 +57,8 @@ class SparseEncoder(FastModel, sentence_transformers.SparseEncoder):
         if len(modules) == 1 and isinstance(modules[0], Router):
             routes = modules[0].sub_modules
             packed = [route for route in routes.values() if isinstance(route[0], PackedTransformer)]
-            if not packed:
-                raise UnsupportedModelError("A Router without a Transformer route")
+            if len(packed) != 1:  # one tokenizer and one engine pack a call (packed_input), whatever its task
+                raise UnsupportedModelError(f"A Router with {len(packed)} Transformer routes (one is taken)")
             for route in packed:
                 self._check_route(list(route))
             return
@@ -104,7 +104,7 @@ class SparseEncoder(FastModel, sentence_transformers.SparseEncoder):
     def _route(self, task: str | None) -> list:
         if not isinstance(self[0], Router):
             return list(self._modules.values())
-        return list(self[0].sub_modules[self[0]._resolve_route(task=task, modality="text")])
+        return list(self[0].sub_modules[self[0]._resolve_route(task=task)])  # as its forward() resolves it
 
     @torch.inference_mode()
     def _packed_inference(

@@ -39,6 +39,8 @@ class PackedMultiVectorTransformer(PackedTransformer):
         unattended = self.query_expansion is not None and not self.query_expansion["attend"]
         if unattended and not isinstance(self.model, (Encoder, ModernBert)):
             raise UnsupportedModelError(f"query_expansion with attend=False on a {self.config.model_type} (a decoder)")
+        if self.query_expansion is not None:  # sentence-transformers' own check of the token (it reads .tokenizer)
+            Transformer._validate_query_expansion_token(self, self.query_expansion)
         self.expansion_id = self._expansion_id()
 
     @classmethod

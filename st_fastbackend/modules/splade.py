@@ -157,8 +157,11 @@ def _head(layout: MaskedLMHead, config: PretrainedConfig, folder, body: nn.Modul
         weight = next(m.weight for m in body.modules() if isinstance(m, nn.Embedding)
                       and m.num_embeddings == config.vocab_size)  # fmt: skip
     bias = found.get(f"{layout.decoder}.bias", found.get(layout.bias)) if has(layout.decoder_bias) else None
-    if weight is None or (has(layout.decoder_bias) and bias is None):
-        raise CheckpointError(f"Checkpoint in {folder} lacks the masked-LM decoder {layout.decoder}")
+    if weight is None:
+        raise CheckpointError(f"Checkpoint in {folder} lacks {layout.decoder}.weight (and ties no embeddings)")
+    if has(layout.decoder_bias) and bias is None:
+        named = layout.bias or f"{layout.decoder}.bias"
+        raise CheckpointError(f"Checkpoint in {folder} lacks the output bias {named}")
     act_name = getattr(config, layout.activation) if layout.activation else "gelu"
     if act_name not in ACT2FN:
         raise UnsupportedModelError(f"The masked-LM head's activation {act_name!r}")
@@ -194,10 +197,10 @@ class PackedSpladePooling(SpladePooling):
             while sequence < len(lengths) and start_of_sequence < end:
                 stop = start_of_sequence + lengths[sequence]
                 part = rows[max(start_of_sequence, start) - start : min(stop, end) - start]
-                if self.pooling_strategy == "max":
-                    torch.maximum(pooled[sequence], part.amax(dim=0), out=pooled[sequence])
+                if self.pooling_strategy == "max":  # (no out=: forward_sequences may run with gradients on)
+                    pooled[sequence] = torch.maximum(pooled[sequence], part.amax(dim=0))
                 else:
-                    pooled[sequence] += part.sum(dim=0)
+                    pooled[sequence] = pooled[sequence] + part.sum(dim=0)
                 if stop > end:  # the sequence goes on in the next slice
                     break
                 sequence, start_of_sequence = sequence + 1, stop

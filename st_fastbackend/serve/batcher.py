@@ -25,6 +25,7 @@ import torch
 from st_fastbackend.embedder import Embedder
 from st_fastbackend.engine.runtime import is_device_failure
 from st_fastbackend.engine.schedule import Schedule
+from st_fastbackend.models.sentence_transformer import per_text_tokens
 from st_fastbackend.serve.memory import release_memory
 from st_fastbackend.serve.metrics import Metrics
 
@@ -103,8 +104,7 @@ def _sentence_rows(out: dict) -> list[torch.Tensor]:
 
 
 def _token_rows(out: dict) -> list[torch.Tensor]:
-    # [T, H] -> B x [len_i, H]; without the tokens of a prompt computed once, as encode() returns them
-    return list(out["token_embeddings"].float().cpu().split(list(out["packed"].lengths)))
+    return [rows.float().cpu() for rows in per_text_tokens(out)[1]]  # B x [len_i, H], as encode() gives them
 
 
 def _sparse_rows(out: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:

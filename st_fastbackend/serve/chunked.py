@@ -46,7 +46,7 @@ async def chunk_plan(tokenizer: RequestTokenizer, texts: list[str], prompt: str 
                 if not (document.head or document.ids or document.tail):
                     raise InputError(str(NoTokensError(index, text)))
                 spans = cut(len(document.ids), chunk_size(chunking, document, limit), chunking.overlap)
-                room = tokenizer.embedder.late_room(late, document) if late else None
+                room = tokenizer.embedder.late_room(late, document, limit) if late else None
             except ValueError as error:
                 raise InputError(f"chunking: {error}") from error
             for window in windows(index, document, spans, room):

@@ -30,6 +30,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 from sentence_transformers import quantize_embeddings
 
+from st_fastbackend.embedder import DOCUMENT_PROMPTS
 from st_fastbackend.serve.errors import ApiError
 from st_fastbackend.serve.routes import (
     Served,
@@ -43,7 +44,7 @@ from st_fastbackend.serve.routes import (
 PATHS = ("/v2/embed",)
 EmbeddingType = Literal["float", "int8", "uint8", "binary", "ubinary", "base64"]
 # input_type -> the model's prompts it takes, the first the model has (encode_query / encode_document's order)
-PROMPT_NAMES = {"search_query": ("query",), "search_document": ("document", "passage", "corpus"),
+PROMPT_NAMES = {"search_query": ("query",), "search_document": DOCUMENT_PROMPTS,
                 "classification": ("classification",), "clustering": ("clustering",)}  # fmt: skip
 
 
