@@ -48,6 +48,7 @@ class Embedder:
         transformer = self._model.packed_input
         runtime = transformer.runtime
         pooling = next((module.pooling_mode for module in self._model if hasattr(module, "pooling_mode")), None)
+        pooling = {"sparse": "splade", "multi_vector": "none"}.get(self.kind, pooling)  # as TEI names them
         return {
             "device": str(self.device),
             "dtype": str(runtime.dtype).removeprefix("torch."),

@@ -7,7 +7,7 @@ import torch
 from builders import build_cross_encoder
 from helpers import DEVICE
 
-from st_fastbackend import CrossEncoder, SentenceTransformer, UnsupportedModelError
+from st_fastbackend import CrossEncoder, SentenceTransformer
 from st_fastbackend.cli import main
 from st_fastbackend.engine import quantize
 from st_fastbackend.engine.onednn import onednn_dtypes
@@ -58,7 +58,7 @@ def test_model_check_returns_the_report(st_model):
     assert [(case.name, case.inputs) for case in mine.cases] == [("your texts", 2)] and mine.passed
     model.max_seq_length = 16  # changed after load: plain is loaded beside it with the same window
     assert model.check(texts=[" ".join(["word"] * 40)]).passed
-    with pytest.raises(UnsupportedModelError, match="check"):
+    with pytest.raises(ValueError, match='check.. compares a model loaded with backend="fast"'):
         SentenceTransformer(str(st_model("mistral", pooling_mode="lasttoken")), device=DEVICE).check()
 
 
@@ -130,18 +130,24 @@ def test_int8_is_within_its_bound(st_model):
 @pytest.mark.parametrize("kind", ["SparseEncoder", "MultiVectorEncoder"])
 def test_check_sparse_and_multi_vector(tmp_path, kind, capsys, monkeypatch):
     """The CLI picks the class from the folder and compares its own outputs: SPLADE's rows, ColBERT's token vectors;
-    and fails where they are off (SPLADE's values scaled, a pack's first token not scored)."""
+    and fails where they are off (SPLADE's values scaled: unit length would hide it; a pack's first token not
+    scored)."""
     from hybrid_builders import build_colbert, build_splade
 
     from st_fastbackend.modules import multi_vector, splade
 
-    folder = build_splade(tmp_path, "bert") if kind == "SparseEncoder" else build_colbert(tmp_path, "bert")
+    expansion = {"strategy": "fixed", "attend": False, "length": 24}  # the query case runs it
+    if kind == "SparseEncoder":
+        folder = build_splade(tmp_path, "bert")
+    else:
+        folder = build_colbert(tmp_path, "bert", query_expansion=expansion)
     main(["check", str(folder), "--device", DEVICE])  # exit status 1 (SystemExit) where a case fails
     out = capsys.readouterr().out
     assert out.splitlines()[0].startswith("EXACT"), out
+    assert "queries" in out
     if kind == "SparseEncoder":
         activate = splade.PackedSpladePooling._activate
-        monkeypatch.setattr(splade.PackedSpladePooling, "_activate", lambda self, x: activate(self, x).pow_(1.01))
+        monkeypatch.setattr(splade.PackedSpladePooling, "_activate", lambda self, x: activate(self, x).mul_(3))
     else:
         masked = multi_vector.PackedMultiVectorMask.forward
 

@@ -164,3 +164,13 @@ def test_official_cohere_client_on_a_live_server(folder, model):
     finally:
         process.terminate()
         process.wait(30)
+
+
+def test_int8_of_a_dimension_every_text_shares():
+    """A dimension of one value across the request (identical texts) quantizes to its lowest code, not NaN."""
+    from st_fastbackend.serve.cohere import _typed
+
+    vectors = np.array([[0.5, -0.2, 0.1], [0.5, 0.3, 0.4]], dtype=np.float32)
+    for kind, lowest in (("int8", -128), ("uint8", 0)):
+        codes = np.asarray(_typed(vectors, kind))
+        assert (codes[:, 0] == lowest).all() and codes[0, 1] == lowest and codes[1, 1] >= lowest + 254  # its top

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from st_fastbackend.engine.spec import UnsupportedModelError
 from st_fastbackend.models.probes import Case, Probing, probing_for
 
 # The contract, in one place (DESIGN.md "Correctness contract"):
@@ -100,7 +99,8 @@ def check(model, texts: list[str] | None = None) -> CheckReport:
     """`model` (backend="fast") against plain sentence-transformers loaded from the same arguments, on the probes
     of its class (models/probes.py) or on `texts`."""
     if getattr(model, "backend", None) != "fast" or not hasattr(model, "loaded_with"):
-        raise UnsupportedModelError('check() (it compares a model loaded with backend="fast" against plain)')
+        raise ValueError('check() compares a model loaded with backend="fast" against plain sentence-transformers; '
+                         "this one is not")  # fmt: skip
     args, kwargs = model.loaded_with
     name = args[0] if args else kwargs.get("model_name_or_path")
     if not name:

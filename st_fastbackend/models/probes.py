@@ -118,17 +118,35 @@ class Scores(Probing):
         return np.asarray(scores, dtype=np.float64).reshape(len(case.inputs), -1)
 
 
-class SparseVectors(Probing):
-    """A SparseEncoder's rows as dense vectors, unit length (as embeddings are compared)."""
+class TaskProbing(Probing):
+    """A class with a query side (encode(task="query"): a ColBERT's query length and expansion, inference-free
+    SPLADE's static route) gets a case of short queries too."""
+
+    def cases(self, model, texts: list[str] | None) -> list[Case]:
+        found = super().cases(model, texts)
+        return found if texts is not None else [*found, Case("queries", self.inputs(SHORT), {"task": "query"})]
+
+
+class SparseVectors(TaskProbing):
+    """A SparseEncoder's rows as they are (not unit length: SPLADE's values are dot-product weights): per row the
+    max |diff| over its largest value (at least 1), infinite where the active dimensions differ."""
+
+    output = "sparse rows, relative to each row's largest value, with the same active dimensions"
 
     def outputs(self, model, case: Case) -> np.ndarray:
         rows = model.encode(case.inputs, batch_size=32, show_progress_bar=False, convert_to_tensor=True,
                             convert_to_sparse_tensor=False, **case.options)  # fmt: skip
-        rows = rows.double().cpu().numpy()
-        return rows / np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), 1e-12)
+        return rows.double().cpu().numpy()
+
+    def errors(self, ours, reference) -> tuple[np.ndarray, np.ndarray | None]:
+        scale = np.maximum(np.abs(reference).max(axis=1), 1.0)
+        diff = np.nan_to_num(np.abs(ours - reference), nan=np.inf).max(axis=1) / scale
+        diff[((ours != 0) != (reference != 0)).any(axis=1)] = np.inf
+        unit = [rows / np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), 1e-12) for rows in (ours, reference)]
+        return diff, np.nan_to_num(np.maximum(1 - (unit[0] * unit[1]).sum(axis=1), 0), nan=np.inf)
 
 
-class TokenVectors(Probing):
+class TokenVectors(TaskProbing):
     """A MultiVectorEncoder's per-text [n_i, dim] vectors (as documents): per text the worst of its tokens; a text
     whose scored tokens differ in number fails outright."""
 

@@ -116,11 +116,12 @@ class PackedScoringTransformer(PackedTransformer):
 
     def pair_lengths(self, pairs: list, prompt: str | None = None) -> list[int]:
         """Each pair's token count before truncation (through the chat template where the tokenizer has one)."""
+        if self.pair_formatter is not None:  # the prompt as encode_pairs renders it
+            whole = {"text": {"truncation": False}}
+            features = self.pair_formatter.preprocess([list(p) for p in pairs], prompt=prompt, processing_kwargs=whole)
+            return features["attention_mask"].sum(1).tolist()
         texts = [[prompt + first, second] if prompt else [first, second] for first, second in pairs]
-        if self.pair_formatter is None:
-            return [len(ids) for ids in self.tokenizer(texts, truncation=False, verbose=False)["input_ids"]]
-        whole = {"text": {"truncation": False}}
-        return self.pair_formatter.preprocess(texts, processing_kwargs=whole)["attention_mask"].sum(1).tolist()
+        return [len(ids) for ids in self.tokenizer(texts, truncation=False, verbose=False)["input_ids"]]
 
     def _rendered_pairs(self, pairs: list, prompt: str | None, first_index: int) -> list[list[int]]:
         """Token ids of each pair through the chat template, as sentence-transformers' preprocess makes them (its

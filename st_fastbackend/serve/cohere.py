@@ -122,5 +122,6 @@ def _typed(vectors: np.ndarray, kind: str):
     if kind == "base64":
         return [base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii") for vector in vectors]
     # int8/uint8: the ranges quantize_embeddings computes from the vectors themselves, given (without its warning)
-    ranges = np.vstack((vectors.min(axis=0), vectors.max(axis=0)))
+    low, high = vectors.min(axis=0), vectors.max(axis=0)
+    ranges = np.vstack((low, np.where(high > low, high, low + 1)))  # a dimension all texts share: its lowest code
     return quantize_embeddings(vectors, precision=kind, ranges=ranges)
