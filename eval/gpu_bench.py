@@ -11,7 +11,8 @@ sentence-transformers and the fast backend side by side on the same texts, in on
    parameters per token plus attention); the fast backend also with its layer seams eager, and on the
    instructed claims with the instruction run for every claim (what each part adds);
 5. latency: one encode() call of 32 short queries, ms (median);
-6. the table, written to --out as JSON and Markdown, printed last.
+6. SPLADE and ColBERT (issue 30): bert-base widths, random weights, bf16, encode_document on SciFact documents;
+7. the table, written to --out as JSON and Markdown, printed last.
 
 Run through eval/gpu_bench.sh (it prepares and installs what the device machine lacks). `--dry-run`
 runs every step on a CPU with a 2-layer, narrow model and a few texts.
@@ -161,6 +162,36 @@ def compare(plain, fast, texts: list[str], args, ceiling: float, prompt: str | N
     }
 
 
+def hybrid(args, tokenizer_dir: Path, documents: list[str]) -> dict:
+    """SPLADE and ColBERT on bert-base widths (12 layers; --dry-run: 2), random weights with the carried
+    tokenizer, bf16: plain and fast encode_document() on SciFact documents, tokens/s (median of alternating
+    rounds) and fidelity to plain (SPLADE: max |diff| over the largest value, per row; ColBERT: per token)."""
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    shape = {**models.BERT_BASE_SHAPED, "num_hidden_layers": 2 if args.dry_run else 12}
+    folders = {
+        "SparseEncoder": models.splade_shaped(args.work / "splade", shape, tokenizer=tokenizer),
+        "MultiVectorEncoder": models.colbert_shaped(args.work / "colbert", shape, tokenizer=tokenizer),
+    }
+    out = {}
+    for kind, folder in folders.items():
+        systems = models.plain_and_fast(str(folder), kind, torch.bfloat16, device=args.device)
+        tokens = sum(map(len, systems["fast"].packed_input.texts.encode(documents)))
+        calls = {name: lambda m=m: m.encode_document(documents, batch_size=32) for name, m in systems.items()}
+        rounds = measure.alternate(calls, max(args.rounds, 3), args.device)
+        plain, fast = rounds.last["plain"], rounds.last["fast"]
+        if kind == "SparseEncoder":
+            plain, fast = plain.to_dense().float(), fast.to_dense().float()
+            error = ((plain - fast).abs().amax(1) / plain.abs().amax(1).clamp_min(1)).max().item()
+        else:
+            error = max((p.float() - f.float()).abs().max().item() for p, f in zip(plain, fast, strict=True))
+        out[kind] = {"texts": len(documents), "tokens": tokens, "ratio": rounds.ratio("fast"), "max_error": error,
+                     **{f"{n}_tokens_per_s": tokens / rounds.median(n) for n in ("plain", "fast")}}  # fmt: skip
+        log(f"{kind}: {json.dumps(out[kind])}")
+        del systems
+        gc.collect()
+    return out
+
+
 def table(results: dict) -> str:
     lines = [
         f"bf16 GEMM ceiling: {results['ceiling_gflops'] / 1000:,.1f} TFLOP/s; kernel: {results['kernel']}; "
@@ -190,6 +221,10 @@ def table(results: dict) -> str:
         f"{small['bf16_error_fast_mean']:.1e} / plain {small['bf16_error_plain_mean']:.1e} -> "
         f"{'PASS' if small['passed'] else 'FAIL'} (rule: fast <= 3x plain)",
     ]
+    for kind, r in results.get("hybrid", {}).items():  # SPLADE and ColBERT, bf16 (hybrid())
+        lines.append(f"{kind} encode_document, {r['texts']} SciFact documents ({r['tokens']} tokens): plain "
+                     f"{r['plain_tokens_per_s']:,.0f} tok/s, fast {r['fast_tokens_per_s']:,.0f} tok/s, "
+                     f"{r['ratio']:.2f}x; max error vs plain {r['max_error']:.1e}")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -202,12 +237,13 @@ def main() -> None:
     parser.add_argument("--tokens-per-length", type=int, default=65536)
     parser.add_argument("--paragraphs", type=int, default=1024)
     parser.add_argument("--claims", type=int, default=1000)
+    parser.add_argument("--documents", type=int, default=1024, help="SciFact documents for SPLADE and ColBERT")
     parser.add_argument("--dry-run", action="store_true", help="CPU, 2 narrow layers, a few texts")
     args = parser.parse_args()
     overrides = DRY_RUN if args.dry_run else {}
     if args.dry_run:
         args.device, args.lengths, args.tokens_per_length, args.paragraphs = "cpu", [128, 8192], 8192, 96
-        args.claims = 64
+        args.claims, args.documents = 64, 16
     else:
         args.device = "cuda"
     args.out.mkdir(parents=True, exist_ok=True)
@@ -259,6 +295,12 @@ def main() -> None:
         results["workloads"][name] = compare(plain, fast, texts, args, results["ceiling_gflops"], prompt)
         (args.out / "gpu_bench.json").write_text(json.dumps(results, indent=2))
         (args.out / "gpu_bench.md").write_text(table(results) + "\n")
+    log("hybrid search: SPLADE and ColBERT, bert-base widths")
+    documents = [data.document(row) for row in data.jsonl(carried / "scifact_corpus.jsonl")][: args.documents]
+    del plain, fast
+    gc.collect()
+    results["hybrid"] = hybrid(args, tokenizer_dir, documents)
+    (args.out / "gpu_bench.json").write_text(json.dumps(results, indent=2))
     print(table(results), flush=True)
 
 

