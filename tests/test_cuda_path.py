@@ -127,3 +127,30 @@ def test_unattended_query_expansion_through_the_kernels(standin, tmp_path, case_
     assert kernel_standins.Calls.count > 0 and kernel_standins.Calls.longer_keys > 0
     for a, b in zip(on_cpu, through, strict=True):
         assert a.shape == b.shape and max_diff(a, b) <= 2e-2
+
+
+@pytest.mark.parametrize("name", ["torch 2.11", "flash-attn 2.8"])
+def test_sparse_and_multi_vector_through_the_kernels(standin, tmp_path, case_texts, name):
+    """SPLADE (the vocabulary projection fused with the pooling) and ColBERT on the kernel path in bf16: within
+    bf16's error of the same models on the SDPA path, which match plain at fp32 (their own test files)."""
+    from hybrid_builders import build_colbert, build_splade
+
+    from st_fastbackend import MultiVectorEncoder, SparseEncoder
+
+    bf16 = {"dtype": torch.bfloat16}
+    folders = {SparseEncoder: build_splade(tmp_path / "s", "bert"), MultiVectorEncoder: build_colbert(tmp_path / "c")}
+    on_cpu = {cls: cls(str(f), backend="fast", device=DEVICE, model_kwargs=bf16).encode_document(case_texts)
+              for cls, f in folders.items()}  # fmt: skip
+    standin(name)
+    for cls, folder in folders.items():
+        fast = cls(str(folder), backend="fast", device=DEVICE, model_kwargs=bf16)
+        assert fast.packed_input.attention_kernel != "sdpa_loop"
+        count = kernel_standins.Calls.count
+        through = fast.encode_document(case_texts)
+        assert kernel_standins.Calls.count > count
+        if cls is SparseEncoder:
+            a, b = on_cpu[cls].to_dense().float(), through.to_dense().float()
+            assert ((a - b).abs().amax(1) / a.abs().amax(1).clamp_min(1)).max() <= 5e-2
+        else:
+            pairs = zip(on_cpu[cls], through, strict=True)
+            assert all(x.shape == y.shape and max_diff(x, y) <= 5e-2 for x, y in pairs)
