@@ -90,10 +90,7 @@ class Embedder:
     def late_chunks(self, out: dict, spans: list[list[tuple[int, int]]]) -> list[torch.Tensor]:
         """Per pack row, its spans' vectors [k, dim] (float, on the host): each span of the row's token embeddings
         pooled and run through the modules after Pooling, as encode_chunks(late=True) makes them."""
-        prefix = out.get("prefix")
-        skip = prefix.length if prefix is not None else 0  # the pack holds what follows a prompt computed once
-        within = [[(s - skip, e - skip) for s, e in row] for row in spans]
-        vectors = span_vectors(self._model, out, within, lambda features: features["sentence_embedding"])
+        vectors = span_vectors(self._model, out, spans, lambda features: features["sentence_embedding"])
         return list(vectors.float().cpu().split([len(row) for row in spans]))
 
     def schedule(self, prompt: str | None, max_texts: int, max_tokens: int) -> Schedule:

@@ -41,7 +41,7 @@ def varlen_attention(
             raise UnsupportedModelError("Unattended tokens (query_expansion attend=False) with causal attention")
         if window_cuts(window, batch.max_seqlen) or not kernel_takes(q, runtime, cuts=False):  # masks per run
             return sdpa_attention(q, k, v, batch, causal=False, window=window, runtime=runtime, scale=scale)
-        keep, cu_attended, longest = batch.attended_keys()
+        keep, cu_attended, longest = batch.attended_keys
         k, v, keys, window = k[keep], v[keep], (cu_attended, longest), None
     cu, n = batch.cu_seqlens, batch.max_seqlen
     cu_k, n_k = keys if keys is not None else (cu, n)

@@ -7,6 +7,7 @@ are derived from it.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -61,8 +62,10 @@ class PackedBatch:
         index = torch.arange(self.num_sequences, device=self.cu_seqlens.device)
         return torch.repeat_interleave(index, counts, output_size=self.num_tokens)
 
+    @functools.cached_property
     def attended_keys(self) -> tuple[Tensor, Tensor, int]:
-        """With `attended`: the positions of the attended tokens [K], their cu_seqlens [B+1] and the longest count."""
+        """With `attended`: the positions of the attended tokens [K], their cu_seqlens [B+1] and the longest count;
+        computed at the first layer that asks, kept for the others (a moved batch is a new object)."""
         device = self.cu_seqlens.device
         counts = torch.tensor(self.attended, device=device)
         cu = torch.zeros(len(counts) + 1, dtype=torch.int32, device=device)

@@ -85,19 +85,19 @@ def late_room(model, chunking: Chunking, document, max_seq_length: int | None = 
 
 def _late_rows(model, out: dict[str, Any], shown: list[Window], spans: list, head: int, rows: Rows) -> Tensor:
     """A pack's chunk vectors [chunks, dim], its windows' chunks in order (span_vectors)."""
-    prefix = out.get("prefix")
-    skip = head - (prefix.length if prefix is not None else 0)  # a window's tokens before its text, in the pack
-    within = [[(skip + s - w.start, skip + e - w.start) for s, e in (spans[w.doc][c] for c in w.chunks)]
+    within = [[(head + s - w.start, head + e - w.start) for s, e in (spans[w.doc][c] for c in w.chunks)]
               for w in shown]  # fmt: skip
     return span_vectors(model, out, within, rows)
 
 
 def span_vectors(model, out: dict[str, Any], within: list[list[tuple[int, int]]], rows: Rows) -> Tensor:
     """Per pack row, its spans' vectors, all rows' in order [spans, dim]: each span (token positions within the
-    row, as the pack holds it: after a prompt computed once) of the row's token embeddings pooled and run through
-    the modules after Pooling. An empty span (a text of no tokens) takes its row's own vector, what plain encode
-    gives that text."""
+    row's whole sequence, prompt included) of the row's token embeddings pooled and run through the modules after
+    Pooling. An empty span (a text of no tokens) takes its row's own vector, what plain encode gives that text."""
     tokens: Tensor = out["token_embeddings"]  # [T, H], without a prompt computed once (engine/prefix.py)
+    prefix = out.get("prefix")
+    skip = prefix.length if prefix is not None else 0  # the pack holds what follows a prompt computed once
+    within = [[(s - skip, e - skip) for s, e in row_spans] for row_spans in within]
     starts = itertools.accumulate(out["packed"].lengths, initial=0)
     index, lengths, owner = [], [], []  # owner: the pack row of each empty span, else None
     for row, (row_spans, start) in enumerate(zip(within, starts, strict=False)):

@@ -17,7 +17,8 @@ from torch import Tensor
 
 from st_fastbackend.engine.spec import UnsupportedModelError
 from st_fastbackend.models.fast import FastModel
-from st_fastbackend.modules.multi_vector import PackedMultiVectorMask, PackedMultiVectorTransformer
+from st_fastbackend.models.host_rows import HostRows
+from st_fastbackend.modules.multi_vector import PackedMultiVectorMask, PackedMultiVectorTransformer, scored_vectors
 
 
 class MultiVectorEncoder(FastModel, sentence_transformers.MultiVectorEncoder):
@@ -66,19 +67,15 @@ class MultiVectorEncoder(FastModel, sentence_transformers.MultiVectorEncoder):
             return transformer.encode_task(chunk, prompt, task, first_index=positions.start)
 
         results: list = [None] * len(inputs)
+        landing = HostRows(results)
         runs = self.packed_runs(inputs, tokenize, prompt=prompt, device=device, batch_size=batch_size,
                                 max_tokens=max_tokens, show_progress_bar=show_progress_bar, task=task,
                                 **kwargs)  # fmt: skip
         for positions, out in runs:
-            lengths = list(out["packed"].lengths)
-            pairs = zip(out["token_embeddings"].split(lengths), out["scoring_mask"].split(lengths), strict=True)
-            vectors = [tokens[mask] for tokens, mask in pairs]
+            vectors = scored_vectors(out)
             if normalize_embeddings:
                 vectors = [torch.nn.functional.normalize(v, p=2, dim=-1) for v in vectors]
             if token_pooling is not None:
                 vectors = token_pooling.pool(vectors, task=task)
-            if save_to_cpu:
-                vectors = [v.cpu() for v in vectors]
-            for position, v in zip(positions, vectors, strict=True):
-                results[position] = v
+            landing.add(positions, [v.cpu() for v in vectors] if save_to_cpu else vectors)
         return results

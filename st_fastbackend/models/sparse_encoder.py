@@ -23,6 +23,7 @@ from torch import Tensor
 
 from st_fastbackend.engine.spec import UnsupportedModelError
 from st_fastbackend.models.fast import FastModel, default_module_kwargs, text_tokens
+from st_fastbackend.models.host_rows import HostRows
 from st_fastbackend.modules import PackedPooling, PackedTransformer
 from st_fastbackend.modules.files import architectures
 from st_fastbackend.modules.options import task_config
@@ -137,6 +138,7 @@ class SparseEncoder(FastModel, sentence_transformers.SparseEncoder):
         if max_active_dims is not None:
             kwargs["max_active_dims"] = max_active_dims  # SparseAutoEncoder's k
         rows: list = [None] * len(inputs)
+        landing = HostRows(rows)
         runs = self.packed_runs(inputs, tokenize, prompt=prompt, device=device, batch_size=batch_size,
                                 max_tokens=max_tokens, show_progress_bar=show_progress_bar, **kwargs)  # fmt: skip
         for positions, out in runs:
@@ -145,10 +147,7 @@ class SparseEncoder(FastModel, sentence_transformers.SparseEncoder):
                 embeddings = select_max_active_dims(embeddings, max_active_dims=max_active_dims)
             if convert_to_sparse_tensor:
                 embeddings = embeddings.to_sparse()
-            if save_to_cpu:
-                embeddings = embeddings.cpu()
-            for position, row in zip(positions, embeddings, strict=True):
-                rows[position] = row
+            landing.add(positions, embeddings.cpu() if save_to_cpu else embeddings)
         if rows:
             return torch.stack(rows)
         empty = torch.tensor([], device="cpu" if save_to_cpu else device)

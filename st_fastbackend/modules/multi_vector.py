@@ -106,3 +106,10 @@ class PackedMultiVectorMask(MultiVectorMask):
             mask &= torch.isin(input_ids, keep)
         features["scoring_mask"] = mask
         return features
+
+
+def scored_vectors(out: dict[str, Any]) -> list[torch.Tensor]:
+    """A pack's outputs -> per text its token vectors the scoring mask keeps [n_i, dim], on the device."""
+    lengths = list(out["packed"].lengths)
+    pairs = zip(out["token_embeddings"].split(lengths), out["scoring_mask"].split(lengths), strict=True)
+    return [tokens[mask] for tokens, mask in pairs]

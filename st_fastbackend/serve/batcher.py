@@ -26,6 +26,7 @@ from st_fastbackend.embedder import Embedder
 from st_fastbackend.engine.runtime import is_device_failure
 from st_fastbackend.engine.schedule import Schedule
 from st_fastbackend.models.sentence_transformer import per_text_tokens
+from st_fastbackend.modules.multi_vector import scored_vectors
 from st_fastbackend.serve.memory import release_memory
 from st_fastbackend.serve.metrics import Metrics
 
@@ -115,9 +116,7 @@ def _sparse_rows(out: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _multi_vector_rows(out: dict) -> list[torch.Tensor]:
     """A MultiVectorEncoder's: per text its scored token vectors [n_i, dim], as its encode() gives them."""
-    lengths = list(out["packed"].lengths)
-    tokens, masks = out["token_embeddings"].float().cpu().split(lengths), out["scoring_mask"].cpu().split(lengths)
-    return [vectors[mask] for vectors, mask in zip(tokens, masks, strict=True)]
+    return [vectors.float().cpu() for vectors in scored_vectors(out)]
 
 
 LATE_CHUNKS = "late_chunks"  # per sequence its chunks' vectors [k, dim] (the Embedder pools the job's spans)
