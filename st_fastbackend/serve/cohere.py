@@ -23,7 +23,6 @@ import uuid
 from typing import Literal
 
 import numpy as np
-import orjson
 import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -37,6 +36,7 @@ from st_fastbackend.serve.routes import (
     check_dimensions,
     check_model,
     embed_inputs,
+    json_response,
     matryoshka,
     resolve_prompt,
 )
@@ -85,7 +85,7 @@ def cohere_routes(served: Served) -> APIRouter:
             "meta": {"api_version": {"version": "2"}, "billed_units": {"input_tokens": sum(n for _, n in rows)}},
             "response_type": "embeddings_by_type",
         }
-        return Response(orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json")
+        return json_response(payload)
 
     return router
 

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from st_fastbackend.engine.schedule import Schedule
 from st_fastbackend.serve.batcher import Job, ShuttingDown
 from st_fastbackend.serve.errors import ApiError, server_error
-from st_fastbackend.serve.routes import Served, _unless_client_left, routes
+from st_fastbackend.serve.routes import Served, _unless_client_left, json_response, routes
 from st_fastbackend.serve.schema import check_unicode
 
 
@@ -130,7 +130,7 @@ def rerank_routes(served: Served) -> APIRouter:
                 result["document"] = {"text": documents[result["index"]]}
         usage = {"total_tokens": tokens}
         payload = {"id": str(uuid.uuid4()), "model": served.name, "results": results, "usage": usage}
-        return _json(payload)
+        return json_response(payload)
 
     @router.post("/rerank")
     async def rerank_tei(body: TeiRerankRequest, request: Request) -> Response:
@@ -144,7 +144,7 @@ def rerank_routes(served: Served) -> APIRouter:
         if body.return_text:
             for result in results:
                 result["text"] = body.texts[result["index"]]
-        return _json(results)
+        return json_response(results)
 
     return router
 
@@ -187,9 +187,3 @@ def _check(served: Served, query: str, documents: list[str], field: str) -> None
     check_unicode(query, "The query")
     for index, text in enumerate(documents):
         check_unicode(text, f"{field}[{index}]")
-
-
-def _json(payload) -> Response:
-    import orjson
-
-    return Response(orjson.dumps(payload), media_type="application/json")

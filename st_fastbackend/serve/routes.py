@@ -190,9 +190,13 @@ def _response(rows: list, body: EmbeddingRequest, served_model_name: str, normal
         data.append({"object": "embedding", "index": index, "embedding": _encode(vector, body.encoding_format)})
     tokens = sum(row[1] for row in rows)
     usage = {"prompt_tokens": tokens, "total_tokens": tokens}
-    # orjson writes the float32 arrays directly (shortest form that reads back to the same float32),
-    # skipping FastAPI's encoder walk and a Python float per value.
     payload = {"object": "list", "data": data, "model": served_model_name, "usage": usage}
+    return json_response(payload)
+
+
+def json_response(payload) -> Response:
+    """Every dialect's JSON body: orjson writes float32 arrays directly (the shortest form that reads back to the
+    same float32), skipping FastAPI's encoder walk and a Python float per value."""
     return Response(orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json")
 
 

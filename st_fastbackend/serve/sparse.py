@@ -7,8 +7,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from st_fastbackend.serve.routes import Served, embed_inputs, resolve_prompt
-from st_fastbackend.serve.tei import EmbedAllRequest, _json
+from st_fastbackend.serve.routes import Served, json_response
+from st_fastbackend.serve.tei import EmbedAllRequest, embed_request
 
 PATHS = ("/embed_sparse",)
 
@@ -19,14 +19,11 @@ def sparse_routes(served: Served) -> APIRouter:
     @router.post("/embed_sparse")
     async def embed_sparse(body: EmbedAllRequest, request: Request) -> Response:
         served.metrics.requests.labels(endpoint="/embed_sparse").inc()
-        prompt = resolve_prompt(served.embedder, None, body.prompt_name)
-        rows = await embed_inputs(served, body.inputs, request, prompt=prompt, truncate=bool(body.truncate),
-                                  keep_end=body.truncation_direction.lower() == "left", output="sparse",
-                                  field="inputs")  # fmt: skip
+        rows = await embed_request(served, body, request, "sparse")
         if rows is None:
             return Response(status_code=499)
         values = [[{"index": i, "value": v} for i, v in zip(index.tolist(), value.tolist(), strict=True)]
                   for (index, value), _ in rows]  # fmt: skip
-        return _json(values)
+        return json_response(values)
 
     return router

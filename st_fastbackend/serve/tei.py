@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 from typing import Literal
 
-import orjson
 import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -22,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from st_fastbackend import __version__
 from st_fastbackend.modules.tokenizer import TextTokenizer
 from st_fastbackend.serve.errors import ApiError
-from st_fastbackend.serve.routes import Served, check_dimensions, embed_inputs, resolve_prompt
+from st_fastbackend.serve.routes import Served, check_dimensions, embed_inputs, json_response, resolve_prompt
 from st_fastbackend.serve.schema import request_inputs
 
 ROOT_PATHS = ("/", "/invocations")  # where huggingface_hub's InferenceClient(model=URL) posts its embeddings requests
@@ -81,10 +80,10 @@ def tei_routes(served: Served) -> APIRouter:
     async def embed(body: EmbedRequest, request: Request) -> Response:
         served.metrics.requests.labels(endpoint="/embed").inc()
         check_dimensions(served, body.dimensions)
-        rows = await _embed(served, body, request, "sentence_embedding")
+        rows = await embed_request(served, body, request, "sentence_embedding")
         if rows is None:
             return Response(status_code=499)
-        return _json([_sized(row, body.dimensions, body.normalize) for row, _ in rows])
+        return json_response([_sized(row, body.dimensions, body.normalize) for row, _ in rows])
 
     for path in ROOT_PATHS:  # TEI answers an embedding model's root (and SageMaker's /invocations) as /embed
         router.add_api_route(path, embed, methods=["POST"])
@@ -92,10 +91,10 @@ def tei_routes(served: Served) -> APIRouter:
     @router.post("/embed_all")
     async def embed_all(body: EmbedAllRequest, request: Request) -> Response:
         served.metrics.requests.labels(endpoint="/embed_all").inc()
-        rows = await _embed(served, body, request, served.embedder.token_output)
+        rows = await embed_request(served, body, request, served.embedder.token_output)
         if rows is None:
             return Response(status_code=499)
-        return _json([row.numpy() for row, _ in rows])  # per input [tokens, values]
+        return json_response([row.numpy() for row, _ in rows])  # per input [tokens, values]
 
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Response:
@@ -109,7 +108,7 @@ def tei_routes(served: Served) -> APIRouter:
                 raise ApiError(400, f"inputs[{index}] has {len(text)} characters; the limit is {limit}.")
         loop, pool, special = asyncio.get_running_loop(), served.tokenizer.pool, body.add_special_tokens
         found = [loop.run_in_executor(pool, tokens, served.embedder.texts, text, prompt, special) for text in texts]
-        return _json(await asyncio.gather(*found))  # a task per text: other requests' tokenizing goes between
+        return json_response(await asyncio.gather(*found))  # a task per text: other requests' tokenizing goes between
 
     @router.post("/decode")
     async def decode(body: DecodeRequest) -> Response:
@@ -122,19 +121,22 @@ def tei_routes(served: Served) -> APIRouter:
             with tokenizer.lock:
                 return tokenizer.tokenizer.batch_decode(batch, skip_special_tokens=body.skip_special_tokens)
 
-        return _json(await asyncio.get_running_loop().run_in_executor(served.tokenizer.pool, run))
+        return json_response(await asyncio.get_running_loop().run_in_executor(served.tokenizer.pool, run))
 
     @router.get("/info")
     async def info() -> Response:
         served.metrics.requests.labels(endpoint="/info").inc()
-        return _json(_info(served))
+        return json_response(_info(served))
 
     return router
 
 
-async def _embed(served: Served, body: EmbedAllRequest, request: Request, output: str) -> list | None:
+async def embed_request(served: Served, body: EmbedAllRequest, request: Request, output: str) -> list | None:
+    """What TEI's embedding routes run: the body's inputs, prompt and truncation through the worker, for `output`
+    (token outputs bounded by MAX_TOKEN_VALUES a request)."""
     prompt = resolve_prompt(served.embedder, None, body.prompt_name)
-    max_tokens = None if output == "sentence_embedding" else MAX_TOKEN_VALUES // served.embedder.token_dimension
+    per_token = output is not None and output == served.embedder.token_output
+    max_tokens = MAX_TOKEN_VALUES // served.embedder.token_dimension if per_token else None
     return await embed_inputs(served, body.inputs, request, prompt=prompt, truncate=bool(body.truncate),
                               keep_end=body.truncation_direction.lower() == "left", output=output, field="inputs",
                               max_tokens=max_tokens)  # fmt: skip
@@ -206,7 +208,3 @@ def _info(served: Served) -> dict:
         "docker_label": None,
         "backend": {"name": "st_fastbackend", **ran},
     }
-
-
-def _json(payload) -> Response:
-    return Response(orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json")
