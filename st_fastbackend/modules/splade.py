@@ -20,7 +20,6 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
-from st_fastbackend.engine import onednn
 from st_fastbackend.engine.layers import Linear
 from st_fastbackend.engine.spec import UnsupportedModelError
 from st_fastbackend.engine.weights import CheckpointError, read_tensors
@@ -93,11 +92,9 @@ class PackedMaskedLM(PackedTransformer):
         """The body as PackedTransformer sets it up; the head's products in floating point: oneDNN's on a CPU
         where the body's may (its int8 products too), else PyTorch's."""
         super()._use(runtime)
-        weight = self.head.decoder.weight
-        products = onednn.product_dtype(weight.dtype) if self.onednn_copies and weight.device.type == "cpu" else None
         for layer in self.head.modules():
             if isinstance(layer, Linear):
-                layer.product_dtype = products if self.quantize else runtime.product_dtype
+                layer.product_dtype = self.float_products if self.quantize else runtime.product_dtype
 
     def get_embedding_dimension(self) -> int:
         return self.config.vocab_size

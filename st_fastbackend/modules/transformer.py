@@ -135,11 +135,18 @@ class PackedTransformer(InputModule):
         """The attention kernel with its capabilities, and the dtype of the matrix products, for the model's
         device and dtype (decided once for each, and for PyTorch's setting of fp32 products on a CPU)."""
         weight = next(self.model.parameters())
-        products = onednn.product_dtype(weight.dtype) if self.onednn_copies and weight.device.type == "cpu" else None
+        products = self.float_products
         if self.quantize:  # int8 products in the Linear layers (_use), attention and the rest in the model dtype
             products = quantize.check_device(weight.device)
         seams = fused.on_by_default(weight.device.type) if self.compiled_seams is None else self.compiled_seams
         return choose_runtime(weight.device.type, weight.dtype, weight.device.index, products, seams)
+
+    @property
+    def float_products(self) -> torch.dtype | None:
+        """The dtype of floating-point products through oneDNN's reordered copies: on a CPU where they fit (for
+        PyTorch's setting of fp32 products), else None (PyTorch's own products)."""
+        weight = next(self.model.parameters())
+        return onednn.product_dtype(weight.dtype) if self.onednn_copies and weight.device.type == "cpu" else None
 
     @property
     def attention_kernel(self) -> Kernel:
