@@ -49,7 +49,8 @@ class FastModel:
         asked = kwargs
         if backend == "fast":
             kwargs = _load_on_device(kwargs)
-            self._module_classes = _FastClasses(self.fast_modules)  # a Router's modules are swapped too
+            # module_classes, which sentence-transformers reads for every modules.json type (a Router's too)
+            self._module_classes = _FastClasses(self.fast_modules)
         super().__init__(*args, backend=backend, **kwargs)
         if backend == "fast":
             self._check_fast_pipeline(list(self._modules.values()))
@@ -81,10 +82,6 @@ class FastModel:
     def saved_types(self) -> dict[type, type]:
         """Our module class -> the sentence-transformers class modules.json names for it."""
         return {ours: base for base, ours in self.fast_modules.items()}
-
-    def _load_module_class_from_ref(self, class_ref: str, *args, **kwargs) -> type:
-        module_class = super()._load_module_class_from_ref(class_ref, *args, **kwargs)
-        return self.fast_modules.get(module_class, module_class) if self.backend == "fast" else module_class
 
     def save(self, path: str, *args, **kwargs) -> None:
         super().save(path, *args, **kwargs)
@@ -259,8 +256,8 @@ def _rewrite_router_types(router_json: Path, canonical: dict[str, type]) -> None
 
 
 class _FastClasses(Mapping):
-    """sentence-transformers' `module_classes` (class reference -> class, which a Router reads for its routes):
-    a reference to a class the fast backend replaces gives ours."""
+    """sentence-transformers' `module_classes` (class reference -> class; BaseModel reads it first for every module
+    type, and a Router for its routes): a reference to a class the fast backend replaces gives ours."""
 
     def __init__(self, fast_modules: dict[type, type]) -> None:
         self.fast_modules = fast_modules
