@@ -158,3 +158,25 @@ def test_padded_rows_change_no_number(monkeypatch):
     exact = products()
     assert all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(results, exact, strict=True))
     assert reached == {16, 32, 112, 144, 288, 320}
+
+
+def test_a_product_takes_a_buffer_with_room_as_it_stands():
+    """An input that is the first rows of a larger buffer in the product dtype (a product's own output, attention's
+    result on a CPU) is multiplied in place, the buffer's next rows appended as they stand: NaN there changes no
+    number. An input without room is copied, with zero rows appended."""
+    torch.manual_seed(0)
+    layer, second, x = onednn_linear(64, 96), onednn_linear(96, 32), torch.randn(100, 64)
+    buffer = torch.full((112, 64), float("nan"))
+    buffer[:100] = x
+    assert onednn.padded(buffer[:100], torch.float32).data_ptr() == buffer.data_ptr()
+    assert onednn.padded(x, torch.float32).data_ptr() != x.data_ptr()
+    assert torch.equal(onednn.padded(x, torch.float32)[100:], torch.zeros(12, 64))
+    with torch.inference_mode():
+        assert torch.equal(layer(buffer[:100]), layer(x))
+        assert torch.equal(layer.act(buffer[:100], "gelu"), layer.act(x, "gelu"))
+        hidden = layer.act(x, "gelu")  # [100, 96], the first rows of the product's [112, 96]
+        assert onednn.has_room(hidden, 112)
+        assert torch.equal(second(hidden), second(hidden.clone()))
+    empty = onednn.with_room((100, 4, 8), x)
+    assert empty.shape == (100, 4, 8) and onednn.has_room(empty.flatten(1), 112)
+    assert torch.equal(empty.as_strided((112, 4, 8), empty.stride())[100:], torch.zeros(12, 4, 8))

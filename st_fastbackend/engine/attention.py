@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from st_fastbackend.engine import onednn
 from st_fastbackend.engine.batch import PackedBatch
 from st_fastbackend.engine.runtime import Runtime
 from st_fastbackend.engine.spec import UnsupportedModelError
@@ -118,7 +119,8 @@ def sdpa_attention(
         if not runtime.grouped_heads:
             prefix_k, prefix_v = _repeat_kv(prefix_k, prefix_v, q.shape[1])
         before, prefix_k, prefix_v = prefix_k.shape[0], prefix_k.transpose(0, 1), prefix_v.transpose(0, 1)
-    out = torch.empty_like(q)
+    # Where oneDNN's products follow (a CPU), the output projection takes the result without a copy (onednn.padded).
+    out = onednn.with_room(q.shape, q) if runtime.product_dtype is not None else torch.empty_like(q)
     grouped = q.shape[1] != k.shape[1]
     start, first = 0, 0  # the run's first token and first sequence
     for length, count in _equal_length_runs(batch.lengths):

@@ -95,14 +95,35 @@ def product_rows(rows: int) -> int:
 
 
 def padded(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """x [T, n] in `dtype`, with zero rows appended up to product_rows(T): one copy at most."""
+    """x [T, n] in `dtype`, with rows appended up to product_rows(T). Where x is already in `dtype` and the
+    first T rows of a buffer with room for the rest (a product's own output, as the MLP's first product
+    hands it to the second; attention's output, engine/attention.py), the buffer's next rows as they stand:
+    no copy. Else one copy, with zero rows appended. The appended rows' values change no number of x's rows
+    (a row's result does not depend on the rows around it, tests/test_layers.py), whatever they hold."""
     rows = product_rows(x.shape[0])
     if rows == x.shape[0]:
         return x.to(dtype)
+    if x.dtype == dtype and has_room(x, rows):
+        return x.as_strided((rows, x.shape[1]), x.stride())  # [T, n] -> [rows, n], the same storage
     out = x.new_empty((rows, x.shape[1]), dtype=dtype)
     out[: x.shape[0]] = x
     out[x.shape[0] :] = 0
     return out
+
+
+def has_room(x: Tensor, rows: int) -> bool:
+    """Whether x [T, n] is contiguous and its storage goes on for `rows` rows of n from where x begins."""
+    end = (x.storage_offset() + rows * x.shape[1]) * x.element_size()
+    return x.is_contiguous() and end <= x.untyped_storage().nbytes()
+
+
+def with_room(shape: tuple[int, ...], like: Tensor) -> Tensor:
+    """An empty [T, ...] tensor like `like` that is the first T rows of a buffer of product_rows(T) rows, the
+    rest zero: a result that a product multiplies next without padded()'s copy."""
+    rows = product_rows(shape[0])
+    buffer = like.new_empty((rows, *shape[1:]))
+    buffer[shape[0] :] = 0
+    return buffer[: shape[0]]
 
 
 def copies_fit(engine: nn.Module) -> bool:
