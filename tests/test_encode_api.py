@@ -159,3 +159,14 @@ def test_token_embeddings_with_a_prompt_computed_once(st_model, texts):
     for x, y in zip(expected, dicts, strict=True):
         n = int(x["attention_mask"].sum())
         assert torch.equal(x["input_ids"][:n].cpu(), y["input_ids"].cpu()) and y["token_embeddings"].shape[0] == n
+
+
+def test_a_move_is_seen_by_the_next_call(models, texts):
+    """The device found at one call is kept (sentence-transformers checks every tensor at every call), until the
+    model moves: every move passes through _apply, which forgets it."""
+    plain, fast = models
+    before = fast.encode(texts)
+    assert fast._placed is not None
+    fast.to(DEVICE)
+    assert fast._placed is None
+    assert max_diff(fast.encode(texts), before) == 0 and max_diff(plain.encode(texts), before) <= TOLERANCE
