@@ -10,10 +10,15 @@ ceiling measured in the same run, and peak extra memory.
     python eval/bench.py --peers vllm=/opt/vllm-cpu/bin/python openvino=/opt/ov/bin/python
     python eval/bench.py --dtypes fp32 --int8 --peers onnx-int8=/tmp/peer/bin/python openvino-int8=/tmp/peer/bin/python
     python eval/bench.py --models splade colbert --workloads scifact-docs --dtypes fp32 bf16 --batch-size 16
+    python eval/bench.py --workloads rerank --dtypes fp32 bf16 --queries 100        # CrossEncoder (issue 29)
 
 splade (a SparseEncoder) and colbert (a MultiVectorEncoder) are timed on encode_document(); their fidelity is on
 the dense view [N, vocab] and whether each row's active dimensions are the reference's (splade), per token and
 whether each text keeps the reference's number of vectors (colbert).
+
+rerank: CrossEncoder.predict on SciFact claims x 50 SciFact documents each (--queries claims; harness/rerank.py),
+on the reranker shapes of --rerank-shapes rather than --models; its fidelity is max |diff| of the logits, fp32 and
+bf16 alike, against plain in the same dtype.
 
 --peers runs other systems installed in their own environments through eval/peer.py on the same model
 folders and texts (after plain and fast, not interleaved with them) and adds them to the table.
@@ -26,7 +31,7 @@ import statistics
 
 import numpy as np
 import torch
-from harness import data, measure, models, options, report
+from harness import data, measure, models, options, report, rerank
 from sentence_transformers.base.modules import Dense
 
 from st_fastbackend import MultiVectorEncoder, SentenceTransformer, SparseEncoder
@@ -63,6 +68,8 @@ def arguments():
     parser.add_argument("--models", nargs="+", default=["mistral", "minilm"], choices=MODELS)
     parser.add_argument("--workloads", nargs="+", default=["paragraphs", "sts", "long", "instructed"])
     parser.add_argument("--dtypes", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS))
+    parser.add_argument("--rerank-shapes", nargs="+", default=list(rerank.SHAPES), choices=list(rerank.SHAPES))
+    parser.add_argument("--queries", type=int, default=100, help="rerank: SciFact claims, 50 documents each")
     parser.add_argument("--max-texts", type=int, default=None, help="the first N texts of each workload")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--other-seams", action="store_true",
@@ -160,7 +167,7 @@ def main() -> None:
     print(f"GEMM ceiling on {args.device}: " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in ceilings.items()))
 
     rows = []
-    for model_name in args.models:
+    for model_name in args.models if set(args.workloads) - {"rerank"} else []:
         path = models.model_path(model_name)
         references: dict[str, np.ndarray] = {}
         for dtype_name in args.dtypes:
@@ -169,7 +176,7 @@ def main() -> None:
             torch.backends.mkldnn.matmul.fp32_precision = "bf16" if bf16_products else "none"
             kind = models.KINDS.get(model_name, "SentenceTransformer")
             systems = models.plain_and_fast(path, kind, device=args.device, dtype=dtype)
-            for workload in [w for w in args.workloads if w not in NOT_FOR.get(model_name, ())]:
+            for workload in [w for w in args.workloads if w not in (*NOT_FOR.get(model_name, ()), "rerank")]:
                 texts, prompt = texts_by_workload[workload][: args.max_texts], PROMPTS.get(workload)
                 token_ids = systems["fast"][0].texts.encode(texts, prompt)
                 systems_here = compared(systems, path, dtype_name, prompt, args)
@@ -193,6 +200,8 @@ def main() -> None:
                 print(_format(rows[-1]), flush=True)
             del systems
             gc.collect()
+    if "rerank" in args.workloads:
+        rows += rerank_rows(args)
 
     stamp, machine = report.stamp(), report.machine(args.device)
     payload = {
@@ -205,6 +214,21 @@ def main() -> None:
     out = report.results_file(args.output_dir, "bench", payload, stamp)
     report.chart(rows, [f"{r['model']}\n{r['dtype']} {r['workload']}" for r in rows], out.with_suffix(".png"))
     print(f"written to {out} and {out.with_suffix('.png')}")
+
+
+def rerank_rows(args) -> list[dict]:
+    """The rerank workload on each shape and dtype (bf16mm is not among them): plain and fast predict()."""
+    work, rows = rerank.pairs(args.data_dir, args.queries), []
+    for shape in args.rerank_shapes:
+        folder = str(rerank.build(models.CACHE / f"rerank-{shape}", rerank.SHAPES[shape]))
+        for dtype_name in [name for name in args.dtypes if name != "bf16mm"]:
+            dtype = PRECISIONS[dtype_name][0]
+            torch.backends.mkldnn.matmul.fp32_precision = "none"
+            row = rerank.compare(folder, work, dtype, args.device, args.batch_size, args.rounds)
+            rows.append({"model": shape, "dtype": dtype_name, "workload": "rerank", **row})
+            print(rerank.line(shape, dtype_name, row), flush=True)
+            gc.collect()
+    return rows
 
 
 def _format(row: dict) -> str:

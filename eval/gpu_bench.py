@@ -12,7 +12,9 @@ sentence-transformers and the fast backend side by side on the same texts, in on
    instructed claims with the instruction run for every claim (what each part adds);
 5. latency: one encode() call of 32 short queries, ms (median);
 6. SPLADE and ColBERT (issue 30): bert-base widths, random weights, bf16, encode_document on SciFact documents;
-7. the table, written to --out as JSON and Markdown, printed last.
+7. rerank (issue 29): ms-marco-MiniLM-L6, bge-reranker-base and Qwen3-Reranker-0.6B shapes at their full depth,
+   random weights, bf16, CrossEncoder.predict on SciFact claims x 50 documents each;
+8. the table, written to --out as JSON and Markdown, printed last.
 
 Run through eval/gpu_bench.sh (it prepares and installs what the device machine lacks). `--dry-run`
 runs every step on a CPU with a 2-layer, narrow model and a few texts.
@@ -29,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from bench import PROMPTS
-from harness import data, measure, models, options
+from harness import data, measure, models, options, rerank
 from sentence_transformers import SentenceTransformer as PlainSentenceTransformer
 from sentence_transformers.sentence_transformer.modules import Normalize, Pooling
 from transformers import AutoTokenizer, MistralConfig, MistralModel
@@ -192,6 +194,26 @@ def hybrid(args, tokenizer_dir: Path, documents: list[str]) -> dict:
     return out
 
 
+# The published depth of each reranker shape (harness/rerank.py holds a few layers for the CPU).
+RERANK_LAYERS = {"ms-marco-MiniLM-L6": 6, "bge-reranker-base": 12, "Qwen3-Reranker-0.6B": 28}
+
+
+def rerank_workload(args, tokenizer_dir: Path) -> dict:
+    """The three reranker shapes at their published depth (--dry-run: 2 layers), random weights with the carried
+    tokenizer, bf16: plain and fast predict() on --rerank-queries SciFact claims x 50 documents (batch_size 32),
+    pairs/s (median of alternating rounds), the ratio, max |diff| of the logits to plain's."""
+    work, out = rerank.pairs(args.carry / "data", args.rerank_queries), {}
+    for shape, layers in RERANK_LAYERS.items():
+        config = {**rerank.SHAPES[shape], "num_hidden_layers": 2 if args.dry_run else layers}
+        folder = rerank.build(args.work / f"rerank-{shape}", config, tokenizer_dir)
+        row = rerank.compare(str(folder), work, torch.bfloat16, args.device, 32, max(args.rounds, 3))
+        out[shape] = {key: value for key, value in row.items() if key not in ("plain", "fast")}
+        out[shape].update({f"{name}_pairs_per_s": row[name]["pairs_per_s"] for name in ("plain", "fast")})
+        log(rerank.line(shape, "bf16", row))
+        gc.collect()
+    return out
+
+
 def table(results: dict) -> str:
     lines = [
         f"bf16 GEMM ceiling: {results['ceiling_gflops'] / 1000:,.1f} TFLOP/s; kernel: {results['kernel']}; "
@@ -225,6 +247,10 @@ def table(results: dict) -> str:
         lines.append(f"{kind} encode_document, {r['texts']} SciFact documents ({r['tokens']} tokens): plain "
                      f"{r['plain_tokens_per_s']:,.0f} tok/s, fast {r['fast_tokens_per_s']:,.0f} tok/s, "
                      f"{r['ratio']:.2f}x; max error vs plain {r['max_error']:.1e}")  # fmt: skip
+    for shape, r in results.get("rerank", {}).items():  # CrossEncoder.predict, bf16 (rerank_workload())
+        lines.append(f"rerank {shape}, {r['pairs']} pairs ({r['tokens']} tokens): plain {r['plain_pairs_per_s']:,.0f} "
+                     f"pairs/s, fast {r['fast_pairs_per_s']:,.0f} pairs/s, {r['speedup']:.2f}x; max|logit diff| vs "
+                     f"plain {r['max_abs_diff_vs_plain']:.1e}")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -238,12 +264,13 @@ def main() -> None:
     parser.add_argument("--paragraphs", type=int, default=1024)
     parser.add_argument("--claims", type=int, default=1000)
     parser.add_argument("--documents", type=int, default=1024, help="SciFact documents for SPLADE and ColBERT")
+    parser.add_argument("--rerank-queries", type=int, default=100, help="SciFact claims, 50 documents each")
     parser.add_argument("--dry-run", action="store_true", help="CPU, 2 narrow layers, a few texts")
     args = parser.parse_args()
     overrides = DRY_RUN if args.dry_run else {}
     if args.dry_run:
         args.device, args.lengths, args.tokens_per_length, args.paragraphs = "cpu", [128, 8192], 8192, 96
-        args.claims, args.documents = 64, 16
+        args.claims, args.documents, args.rerank_queries = 64, 16, 2
     else:
         args.device = "cuda"
     args.out.mkdir(parents=True, exist_ok=True)
@@ -300,6 +327,9 @@ def main() -> None:
     del plain, fast
     gc.collect()
     results["hybrid"] = hybrid(args, tokenizer_dir, documents)
+    (args.out / "gpu_bench.json").write_text(json.dumps(results, indent=2))
+    log("rerank: three reranker shapes, CrossEncoder.predict")
+    results["rerank"] = rerank_workload(args, tokenizer_dir)
     (args.out / "gpu_bench.json").write_text(json.dumps(results, indent=2))
     print(table(results), flush=True)
 

