@@ -9,6 +9,7 @@ import sys
 import time
 
 import httpx
+import pytest
 from helpers import DEVICE
 
 
@@ -70,3 +71,16 @@ def wait_healthy(process: subprocess.Popen, url: str) -> None:
         assert process.poll() is None, f"server exited with {process.returncode}"
         time.sleep(0.2)
     raise TimeoutError("server did not become healthy")
+
+
+def test_the_model_loads_off_the_main_thread_which_ends():
+    """The main thread runs no parallel operator (its OpenMP pool would make the worker's threads sleep between
+    operators), and the thread that loaded the model is gone: its pool with it."""
+    import threading
+
+    from st_fastbackend.cli.serve import off_the_main_thread
+
+    loader = off_the_main_thread(threading.current_thread)
+    assert loader is not threading.main_thread() and not loader.is_alive()
+    with pytest.raises(ZeroDivisionError):  # a failure to load reaches the caller
+        off_the_main_thread(lambda: 1 / 0)
