@@ -219,10 +219,8 @@ def _tokenized_chunks(tokenize: Tokenize, inputs: list) -> Iterator[tuple[range,
     """(positions in `inputs`, their token ids) chunk by chunk; the next chunk is tokenized in a background
     thread while the caller runs the current one (one thread: a tokenizer must not run in two at once)."""
     chunks = [range(s, min(s + TOKENIZE_CHUNK, len(inputs))) for s in range(0, len(inputs), TOKENIZE_CHUNK)]
-    if len(chunks) == 1:  # nothing to overlap: starting the thread would cost a short call ~1 ms
-        yield chunks[0], tokenize(list(inputs), chunks[0])
-        return
-    if not chunks:
+    if len(chunks) <= 1:  # nothing to overlap: starting the thread would cost a short call ~1 ms
+        yield from ((chunk, tokenize(list(inputs), chunk)) for chunk in chunks)
         return
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize") as background:
         pending = background.submit(tokenize, [inputs[i] for i in chunks[0]], chunks[0])
