@@ -135,7 +135,7 @@ async def embed_request(served: Served, body: EmbedAllRequest, request: Request,
     """What TEI's embedding routes run: the body's inputs, prompt and truncation through the worker, for `output`
     (token outputs bounded by MAX_TOKEN_VALUES a request)."""
     prompt = resolve_prompt(served.embedder, None, body.prompt_name)
-    per_token = output is not None and output == served.embedder.token_output
+    per_token = output == served.embedder.token_output  # output is a name; token_output None where there is none
     max_tokens = MAX_TOKEN_VALUES // served.embedder.token_dimension if per_token else None
     return await embed_inputs(served, body.inputs, request, prompt=prompt, truncate=bool(body.truncate),
                               keep_end=body.truncation_direction.lower() == "left", output=output, field="inputs",
