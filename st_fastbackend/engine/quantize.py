@@ -17,10 +17,8 @@ Xiao et al. 2022): scale = max |row| / 127, q = round(x / scale).
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import os
-import platform
 from types import SimpleNamespace
 from typing import NamedTuple
 
@@ -77,31 +75,10 @@ def quantize_weight(weight: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def prepack(weight: Tensor, bias: Tensor | None) -> QPacked:
-    keep_freed_memory()
     codes, scale = quantize_weight(weight)
     packed = torch.ops.onednn.qlinear_prepack(codes, [onednn.PREPACK_ROWS, codes.shape[1]])
     bias = None if bias is None else bias.detach().float().contiguous()
     return QPacked(packed, scale, torch.zeros(len(scale), dtype=torch.int64), bias)
-
-
-# glibc's malloc gives a freed block above its mmap threshold (128 KiB, raised as such blocks are freed, to 32 MiB at
-# most) back to the system at once, and trims its heap's top past twice that. A pack's activations (MiniLM: 2 to 30 MB
-# each, several per product with int8's passes) were then mapped again, and faulted in page by page, at every pass:
-# ~400,000 page faults and ~40% of the time for 160 paragraphs (eval/RESULTS.md, 2026-12-02). With these thresholds
-# freed activations stay in the process for the next pass, up to TRIM_BYTES of them (mallopt(3)).
-MMAP_BYTES, TRIM_BYTES = 256 << 20, 512 << 20
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
-
-
-@functools.cache
-def keep_freed_memory() -> None:
-    """Once per process, at the first int8 weight: glibc's thresholds above for the whole process (every model in
-    it gains; its resident memory stays up to TRIM_BYTES above what it uses). Nothing elsewhere (musl, Windows)."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return
-    libc = ctypes.CDLL(None)
-    libc.mallopt(_M_MMAP_THRESHOLD, MMAP_BYTES)
-    libc.mallopt(_M_TRIM_THRESHOLD, TRIM_BYTES)
 
 
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:

@@ -18,7 +18,7 @@ import torch
 from sentence_transformers.base.modules import InputModule, Transformer
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
-from st_fastbackend.engine import fused, onednn, quantize
+from st_fastbackend.engine import fused, host_memory, onednn, quantize
 from st_fastbackend.engine.batch import PackedBatch
 from st_fastbackend.engine.layers import Linear
 from st_fastbackend.engine.prefix import LayerKV, Prefix
@@ -214,7 +214,10 @@ class PackedTransformer(InputModule):
         return features
 
     def _use(self, runtime: Runtime) -> None:
-        """Set the engine's layers up for `runtime` (logged): at load, and again whenever it changes."""
+        """Set the engine's layers up for `runtime` (logged): at load, and again whenever it changes. On a CPU,
+        freed activations stay in the process for the next pack (engine/host_memory.py)."""
+        if next(self.model.parameters()).device.type == "cpu":
+            host_memory.keep_freed_memory()
         for layer in self.model.modules():
             if isinstance(layer, Linear):
                 layer.product_dtype = torch.int8 if self.quantize else runtime.product_dtype
