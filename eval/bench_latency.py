@@ -3,6 +3,11 @@ compiled layer seams) on the same texts, calls alternating, median and 90th perc
 
     python eval/bench_latency.py                       # MiniLM and the small Mistral, 1 and 32 STS-B sentences
     python eval/bench_latency.py --models minilm --calls 500
+    python eval/bench_latency.py --models minilm --block 20   # warm: 20 calls of a system in a row
+
+Calls alternating one by one, each finds the caches holding the other systems' weights (a MiniLM call reads 42 MB
+of fp32 layer weights): the latency of a process that serves several models. --block N: each
+system's calls in turns of N in a row (after an untimed one), the latency of a server of one model.
 
 One short text is what a search box sends: the fast backend must not be slower there than plain (where the
 seams are compiled, they run so only for packs of at least engine/fused.py's MIN_TOKENS tokens).
@@ -36,6 +41,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["minilm", "mistral"], choices=["minilm", "mistral"])
     parser.add_argument("--sizes", nargs="+", type=int, default=[1, 32], help="texts per call")
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--block", type=int, default=1, help="calls of a system in a row (1: alternating each call)")
     parser.add_argument("--int8", action="store_true", help="also the fast backend with quantize='int8'")
     parser.add_argument("--one-thread", action="store_true", help="also plain and fast with one thread per call")
     args = parser.parse_args()
@@ -50,12 +56,15 @@ def main() -> None:
         for size in args.sizes:
             texts = sentences[:size]
             tokens = sum(map(len, systems["fast"][0].texts.encode(texts)))
-            results = measure.encode_rounds(systems, texts, len(texts), args.calls, "cpu")  # calls alternating
+            rounds = max(1, args.calls // args.block)  # args.calls timed calls per system, in turns of args.block
+            results = measure.encode_rounds(systems, texts, len(texts), rounds, "cpu", block=args.block)
             times = {system: [seconds * 1e3 for seconds in result["times"]] for system, result in results.items()}
             plain = statistics.median(times["plain"])
             cells = [f"{system} {statistics.median(ms):.2f} ms (p90 {np.percentile(ms, 90):.2f}, "
                      f"{plain / statistics.median(ms):.2f}x plain)" for system, ms in times.items()]  # fmt: skip
-            print(f"{name}, {size} texts ({tokens} tokens), {args.calls} calls: " + "; ".join(cells), flush=True)
+            order = "alternating" if args.block == 1 else f"in turns of {args.block}"
+            head = f"{name}, {size} texts ({tokens} tokens), {args.calls} calls {order}: "
+            print(head + "; ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

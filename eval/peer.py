@@ -76,6 +76,7 @@ def int8_export(system: str, model: str, work_dir: Path, calibration: list[str])
         return str(folder)
     shutil.rmtree(folder, ignore_errors=True)
     shutil.copytree(model, folder)
+    readable_by_older_versions(folder)
     backend = system.removesuffix("-int8")
     exported = SentenceTransformer(str(folder), backend=backend, device="cpu")
     if system == "onnx-int8":
@@ -89,6 +90,21 @@ def int8_export(system: str, model: str, work_dir: Path, calibration: list[str])
                                            dataset_config_name="default", dataset_split="train",
                                            column_name="sentence")  # fmt: skip
     return str(folder)
+
+
+def readable_by_older_versions(folder: Path) -> None:
+    """A folder this project's versions wrote (eval/harness's small models), in the names the peers' older ones
+    know: modules.json's classes under sentence-transformers' long-standing `sentence_transformers.models` names
+    (sentence-transformers 6 writes new module paths), and a tokenizer.json-only tokenizer as transformers 4's
+    PreTrainedTokenizerFast (transformers 5 calls it TokenizersBackend). The same modules and tokenizer."""
+    modules = folder / "modules.json"
+    entries = json.loads(modules.read_text())
+    for entry in entries:
+        entry["type"] = "sentence_transformers.models." + entry["type"].rsplit(".", 1)[1]
+    modules.write_text(json.dumps(entries, indent=2))
+    path = folder / "tokenizer_config.json"
+    if path.is_file() and (config := json.loads(path.read_text())).get("tokenizer_class") == "TokenizersBackend":
+        path.write_text(json.dumps({**config, "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2))
 
 
 def main() -> None:

@@ -34,27 +34,31 @@ class Rounds:
         return self.median(base) / self.median(name)
 
 
-def alternate(calls: dict[str, Callable[[], object]], rounds: int, device: str = "cpu") -> Rounds:
-    """`rounds` rounds, each calling every system once in turn, so that a machine's slower minutes fall on all
-    of them alike rather than on whichever ran then."""
+def alternate(calls: dict[str, Callable[[], object]], rounds: int, device: str = "cpu", block: int = 1) -> Rounds:
+    """`rounds` rounds, each calling every system in turn, so that a machine's slower minutes fall on all of them
+    alike rather than on whichever ran then. `block` > 1: each turn is `block` timed calls in a row after an untimed
+    one (which finds the caches holding the other systems' weights): a system called again and again, warm."""
     out = Rounds({name: [] for name in calls})
     for _ in range(rounds):
         for name, call in calls.items():
-            sync(device)
-            start = time.perf_counter()
-            out.last[name] = call()
-            sync(device)
-            out.seconds[name].append(time.perf_counter() - start)
+            if block > 1:
+                call()
+            for _ in range(block):
+                sync(device)
+                start = time.perf_counter()
+                out.last[name] = call()
+                sync(device)
+                out.seconds[name].append(time.perf_counter() - start)
     return out
 
 
 def encode_rounds(
     systems: dict, texts: list[str], batch_size: int, rounds: int, device: str, prompt: str | None = None,
-    method: str = "encode",
+    method: str = "encode", block: int = 1,
 ) -> dict[str, dict]:  # fmt: skip
     """Each system's embeddings (as arrays() makes them) and peak extra memory from an untimed call (after a
     warm-up call on one batch), then alternating timed rounds of its `method` (encode, or a MultiVectorEncoder's
-    encode_document ...): {name: {"embeddings", "peak_extra_bytes", "times"}}."""
+    encode_document ...), `block` calls per turn (alternate()): {name: {"embeddings", "peak_extra_bytes", "times"}}."""
     results: dict[str, dict] = {}
     for name, model in systems.items():
         encode = getattr(model, method)
@@ -66,7 +70,7 @@ def encode_rounds(
         name: (lambda m=model: getattr(m, method)(texts, batch_size=batch_size, prompt=prompt))
         for name, model in systems.items()
     }
-    for name, seconds in alternate(calls, rounds, device).seconds.items():
+    for name, seconds in alternate(calls, rounds, device, block).seconds.items():
         results[name]["times"] = seconds
     return results
 
