@@ -170,3 +170,15 @@ def test_a_move_is_seen_by_the_next_call(models, texts):
     fast.to(DEVICE)
     assert fast._placed is None
     assert max_diff(fast.encode(texts), before) == 0 and max_diff(plain.encode(texts), before) <= TOLERANCE
+
+
+def test_train_and_eval_modes(models, texts):
+    """model.train() and .eval() set every module's mode as nn.Module's do, except the engine's own modules, which
+    stay in eval mode (none acts differently in training; encode() sets the mode at every call)."""
+    _, fast = models
+    expected = fast.encode(texts[:8])
+    fast.train()
+    assert fast.training and fast[0].training and fast[1].training
+    assert not any(module.training for module in fast[0].model.modules())
+    np.testing.assert_array_equal(fast.encode(texts[:8]), expected)  # encode() puts it in eval mode itself
+    assert not fast.training and not fast[0].training and not fast[1].training

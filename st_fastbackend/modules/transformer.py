@@ -60,7 +60,7 @@ class PackedTransformer(InputModule):
         config = AutoConfig.from_pretrained(self.folder, **without_hub_kwargs(config_kwargs or {}))
         check_model_kwargs(model_kwargs)
         check_tokenizer_files(self.folder)  # before minutes of loading a large model
-        self.model = build_engine(config)
+        self.model = build_engine(config).eval()  # for good: see train()
         device = load_device(model_kwargs.get("device_map"))
         self.quantize = quantize.check_quantize(model_kwargs.get("quantize"), device)  # None or "int8"
         dtype = resolve_dtype(model_kwargs, config, device.type, stored_dtype(self.folder))
@@ -223,6 +223,16 @@ class PackedTransformer(InputModule):
                 layer.product_dtype = torch.int8 if self.quantize else runtime.product_dtype
         logger.info(f"Runtime: {runtime}" + (f"; Linear layers quantize={self.quantize!r}" if self.quantize else ""))
         self._applied = runtime
+
+    def train(self, mode: bool = True) -> PackedTransformer:
+        """As nn.Module.train, except that the engine's own modules stay in eval mode: none of them acts differently
+        in training (no dropout, no batch statistics), and encode() sets the mode at every call, which for MiniLM's
+        80 engine modules was 0.13 ms of a 3.4 ms one-text call."""
+        self.training = mode
+        for child in self.children():
+            if child is not self.model:
+                child.train(mode)
+        return self
 
     def _apply(self, fn, *args, **kwargs):
         """.to(device), .to(dtype): the engine's layers are set up for the new device and dtype at once."""
