@@ -45,6 +45,8 @@ def main() -> None:
     parser.add_argument("--int8", action="store_true", help="also the fast backend with quantize='int8'")
     parser.add_argument("--one-thread", action="store_true", help="also plain and fast with one thread per call")
     args = parser.parse_args()
+    if not 1 <= args.block <= args.calls:
+        parser.error(f"--block {args.block}: between 1 and --calls ({args.calls})")
     sentences = data.sts_sentences(args.data_dir)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32; STS-B test sentences")
     for name in args.models:
@@ -56,14 +58,14 @@ def main() -> None:
         for size in args.sizes:
             texts = sentences[:size]
             tokens = sum(map(len, systems["fast"][0].texts.encode(texts)))
-            rounds = max(1, args.calls // args.block)  # args.calls timed calls per system, in turns of args.block
+            rounds = args.calls // args.block  # timed calls per system: rounds x block (args.calls rounded down)
             results = measure.encode_rounds(systems, texts, len(texts), rounds, "cpu", block=args.block)
             times = {system: [seconds * 1e3 for seconds in result["times"]] for system, result in results.items()}
             plain = statistics.median(times["plain"])
             cells = [f"{system} {statistics.median(ms):.2f} ms (p90 {np.percentile(ms, 90):.2f}, "
                      f"{plain / statistics.median(ms):.2f}x plain)" for system, ms in times.items()]  # fmt: skip
             order = "alternating" if args.block == 1 else f"in turns of {args.block}"
-            head = f"{name}, {size} texts ({tokens} tokens), {args.calls} calls {order}: "
+            head = f"{name}, {size} texts ({tokens} tokens), {rounds * args.block} calls {order}: "
             print(head + "; ".join(cells), flush=True)
 
 

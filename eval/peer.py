@@ -98,10 +98,12 @@ def readable_by_older_versions(folder: Path) -> None:
     (sentence-transformers 6 writes new module paths), and a tokenizer.json-only tokenizer as transformers 4's
     PreTrainedTokenizerFast (transformers 5 calls it TokenizersBackend). The same modules and tokenizer."""
     modules = folder / "modules.json"
-    entries = json.loads(modules.read_text())
-    for entry in entries:
-        entry["type"] = "sentence_transformers.models." + entry["type"].rsplit(".", 1)[1]
-    modules.write_text(json.dumps(entries, indent=2))
+    if modules.is_file():  # a bare checkpoint has none
+        entries = json.loads(modules.read_text())
+        for entry in entries:  # sentence-transformers' own modules only
+            if entry["type"].startswith("sentence_transformers."):
+                entry["type"] = "sentence_transformers.models." + entry["type"].rsplit(".", 1)[1]
+        modules.write_text(json.dumps(entries, indent=2))
     path = folder / "tokenizer_config.json"
     if path.is_file() and (config := json.loads(path.read_text())).get("tokenizer_class") == "TokenizersBackend":
         path.write_text(json.dumps({**config, "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2))

@@ -202,6 +202,8 @@ class PackedTransformer(InputModule):
         if runtime is not self._applied:  # after .to(), or a change of PyTorch's setting for fp32 products
             self._use(runtime)
         packed, prefix = features["packed"], features.get("prefix")
+        if packed.input_ids.device.type == "cpu":  # freed activations stay in the process for the next pack
+            host_memory.keep_freed_memory()
         if prefix is None:
             features["token_embeddings"] = self.model(packed, _sized(runtime, packed))  # [T, hidden]
             return features
@@ -214,10 +216,7 @@ class PackedTransformer(InputModule):
         return features
 
     def _use(self, runtime: Runtime) -> None:
-        """Set the engine's layers up for `runtime` (logged): at load, and again whenever it changes. On a CPU,
-        freed activations stay in the process for the next pack (engine/host_memory.py)."""
-        if next(self.model.parameters()).device.type == "cpu":
-            host_memory.keep_freed_memory()
+        """Set the engine's layers up for `runtime` (logged): at load, and again whenever it changes."""
         for layer in self.model.modules():
             if isinstance(layer, Linear):
                 layer.product_dtype = torch.int8 if self.quantize else runtime.product_dtype
