@@ -1,4 +1,4 @@
-"""How the process's C allocator treats the engine's freed activations on the CPU.
+"""How the process's C allocator treats the engine's freed activations on the CPU, and handing freed memory back.
 
 glibc's malloc gives a freed block above its mmap threshold (128 KiB, raised as such blocks are freed, to 32 MiB at
 most) back to the system at once, and gives back the free top of its heap once that passes twice the threshold. A
@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import os
 import platform
 
+logger = logging.getLogger(__name__)
 MMAP_BYTES, TRIM_BYTES = 256 << 20, 512 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
 # How a user sets glibc's malloc for a process: theirs is kept.
@@ -31,10 +33,29 @@ def keep_freed_memory() -> None:
     """Once per process, at the first pack run on a CPU: glibc's thresholds above for the whole process (every model
     in it gains, plain sentence-transformers' too). Not where the environment sets glibc's malloc itself
     (USER_SETTINGS, or glibc.malloc tunables in GLIBC_TUNABLES), and nothing elsewhere (musl, macOS, Windows)."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    libc = _glibc()
+    if libc is None:
         return
     if any(name in os.environ for name in USER_SETTINGS) or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         return
-    libc = ctypes.CDLL(None)
     libc.mallopt(_M_MMAP_THRESHOLD, MMAP_BYTES)
     libc.mallopt(_M_TRIM_THRESHOLD, TRIM_BYTES)
+
+
+def release_memory() -> None:
+    """Every arena's free pages back to the system (malloc_trim(0), glibc >= 2.8), what the thresholds above keep
+    included: the server calls it once a burst has ended, so its resident memory does not stay at the burst's peak
+    (glibc keeps freed memory in its arenas, and the tokenizer's thread and the worker's each have their own).
+    Nothing elsewhere."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    """The process's C library where it is glibc (Linux); None elsewhere (musl, macOS, Windows)."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        logger.debug("Not glibc: its malloc thresholds are not set, and memory freed after a burst stays allocated")
+        return None
+    return ctypes.CDLL(None)

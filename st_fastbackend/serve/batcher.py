@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 import torch
 
 from st_fastbackend.embedder import Embedder
+from st_fastbackend.engine.host_memory import release_memory
 from st_fastbackend.engine.runtime import is_device_failure
 from st_fastbackend.engine.schedule import Schedule
 from st_fastbackend.models.sentence_transformer import per_text_tokens
 from st_fastbackend.modules.multi_vector import scored_vectors
-from st_fastbackend.serve.memory import release_memory
 from st_fastbackend.serve.metrics import Metrics
 
 logger = logging.getLogger(__name__)
