@@ -28,6 +28,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import warnings
 from importlib import metadata
 from pathlib import Path
 
@@ -44,12 +45,6 @@ PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in range(5, 40)] + ["manylinux2014_
 DEVICE_TESTS = ["pytest", "pyarrow", "openai", "cohere", "httpx"]
 # Tied to the image's CUDA build of PyTorch: used as the image has them, never carried.
 CUDA_BUILD = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*)$")
-# What `check` imports: a module per package whose import name is not the package name.
-IMPORTS = {"pyyaml": "yaml", "python-dotenv": "dotenv", "typing-extensions": "typing_extensions",
-           "huggingface-hub": "huggingface_hub", "prometheus-client": "prometheus_client",
-           "opentelemetry-api": "opentelemetry", "importlib-metadata": "importlib_metadata",
-           "sentence-transformers": "sentence_transformers", "pydantic-core": "pydantic_core",
-           "annotated-types": "annotated_types", "typing-inspection": "typing_inspection"}  # fmt: skip
 # The markers of CPython 3.12 on Linux x86_64, to read which requirements apply there.
 ENVIRONMENT = {
     "python_version": PYTHON, "python_full_version": "3.12.3", "implementation_name": "cpython",
@@ -171,6 +166,16 @@ def read_manifest(path: Path) -> list[tuple[str, str, str]]:
     return rows
 
 
+def modules_of(dist: metadata.Distribution) -> list[str]:
+    """The top-level modules a distribution installs (none for a stubs-only package such as types-requests)."""
+    names = set()
+    for file in dist.files or []:
+        package = len(file.parts) > 1 and file.name == "__init__.py"
+        if package or len(file.parts) == 1 and file.suffix in (".py", ".so"):
+            names.add(file.parts[0].split(".")[0])
+    return sorted(n for n in names if not n.startswith("_") and n not in ("tests", "test", "benchmarks", "docs"))
+
+
 def check(manifest: Path, freeze: Path | None) -> int:
     """Problems found in this interpreter against the manifest, printed; the count is the exit status."""
     rows = read_manifest(manifest)
@@ -193,12 +198,14 @@ def check(manifest: Path, freeze: Path | None) -> int:
             if other is not None and not requirement.specifier.contains(other.version, prereleases=True):
                 problems.append(f"{name} asks {requirement}, {other.version} installed")
     for name, _, _ in rows:
-        if name in installed and not CUDA_BUILD.match(name) and name not in ("pip",):
-            module = IMPORTS.get(name, name.replace("-", "_"))
-            try:
-                importlib.import_module(module)
-            except Exception as error:  # any failure to import is what this check is for
-                problems.append(f"{name}: import {module} failed: {type(error).__name__}: {error}")
+        if name in installed and not CUDA_BUILD.match(name):
+            for module in modules_of(installed[name]):
+                try:
+                    with warnings.catch_warnings():  # deprecation notices of what imports cleanly are not problems
+                        warnings.simplefilter("ignore")
+                        importlib.import_module(module)
+                except Exception as error:  # any failure to import is what this check is for
+                    problems.append(f"{name}: import {module} failed: {type(error).__name__}: {error}")
     if freeze is not None:
         listed = sorted(f"{name}=={d.version}" for name, d in installed.items())
         freeze.write_text("\n".join(listed) + "\n")

@@ -97,7 +97,7 @@ if [ "$PART" = "check" ]; then
     mapfile -t SUITE < <(suite)
     # SIGINT at the budget: pytest stops, prints its summary and writes the JUnit XML of what ran.
     timeout --signal=INT --kill-after=15 "$SUITE_BUDGET" "$PYTHON" -m pytest --device "$DEVICE" "${SUITE[@]}" \
-        -p no:cacheprovider -v -rfEs --continue-on-collection-errors --junitxml="$OUT/tests.xml" \
+        -p no:cacheprovider -o addopts="" -v -rfEs --continue-on-collection-errors --junitxml="$OUT/tests.xml" \
         > "$OUT/tests.log" 2>&1 || true
     grep -E "^(FAILED|ERROR)|passed|failed|KeyboardInterrupt" "$OUT/tests.log" | tail -30 || true
 fi
