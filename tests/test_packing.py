@@ -53,7 +53,10 @@ def test_encode_respects_the_budget_and_keeps_order(model, texts, monkeypatch, b
 
 
 def test_budget_is_a_model_property(model, texts):
-    assert model.max_tokens_per_batch == schedule.CPU_TOKENS
+    dtype = next(model[0].parameters()).dtype
+    assert model.max_tokens_per_batch == schedule.default_max_tokens(model[0].config, dtype, model.device)
+    if DEVICE == "cpu":
+        assert model.max_tokens_per_batch == schedule.CPU_TOKENS
     model.max_tokens_per_batch = 50
     seen, handle = record_batches(model)
     try:
