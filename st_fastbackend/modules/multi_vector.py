@@ -12,7 +12,6 @@ the encoders (a decoder's causal attention is refused with it).
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -78,7 +77,7 @@ class PackedMultiVectorTransformer(PackedTransformer):
         features = super().pack(sequences, prompt, prefix)
         if any(getattr(ids, "attended", None) is not None for ids in sequences):
             attended = tuple(getattr(ids, "attended", None) or len(ids) for ids in sequences)
-            features["packed"] = replace(features["packed"], attended=attended)
+            features["packed"] = features["packed"].with_attended(attended)
         return features
 
 
