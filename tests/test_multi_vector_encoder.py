@@ -8,8 +8,10 @@ import torch
 from helpers import DEVICE, TOLERANCE, max_diff
 from hybrid_builders import build_colbert
 from sentence_transformers import MultiVectorEncoder as PlainMultiVectorEncoder
+from transfers import HostWaits
 
 from st_fastbackend import MultiVectorEncoder, UnsupportedModelError
+from st_fastbackend.serve.batcher import PACK_OUTPUTS
 
 FAMILIES = ["bert", "roberta", "modernbert"]
 EXPANSION = {"strategy": "fixed", "attend": True, "length": 24}
@@ -75,6 +77,30 @@ def test_batch_invariance(tmp_path, texts):
     together = fast.encode_document(texts[:16])
     alone = [fast.encode_document(t) for t in texts[:16]]
     assert_same(alone, together)
+
+
+def test_host_waits_per_pack_do_not_grow_with_the_texts(tmp_path, texts, monkeypatch):
+    """From a GPU, a pack's rows reach the host after one wait (for the counts; the rows are gathered on the device
+    and copied without waiting), whatever the number of texts: in encode() and in the server's rows. The CPU stands
+    in for the GPU (tests/transfers.py)."""
+    fast = MultiVectorEncoder(str(build_colbert(tmp_path, "bert", skiplist_words=["a"])), backend="fast", device="cpu")
+    inner, waits = fast._packed_inference, []
+
+    def counted(*args, **kwargs):
+        with HostWaits() as counter:
+            found = inner(*args, **kwargs)
+        waits.append(counter.count)
+        return found
+
+    monkeypatch.setattr(fast, "_packed_inference", counted)
+    served = []
+    for n in (4, 32):  # one pack each
+        assert len(fast.encode_document(texts[:n], batch_size=64)) == n
+        out = fast.forward_sequences(fast[0].encode_task(texts[:n], None, "document", 0), task="document")
+        with HostWaits() as counter:
+            assert len(PACK_OUTPUTS["multi_vector"](out)) == n
+        served.append(counter.count)
+    assert waits[0] == waits[1] and served == [2, 2]  # the server: the counts, then the rows (it needs them now)
 
 
 def test_save_loads_in_plain(tmp_path, texts):

@@ -53,3 +53,55 @@ class _Moved(TorchDispatchMode):
             target = args[0] if func is torch.ops.aten.copy_.default else out
             self.counter.copies += int(source.device.type == "cpu" and target.device.type != "cpu")
         return out
+
+
+class HostWaits:
+    """Counts what makes the host wait for a GPU, with the CPU standing in (its tensors on the host already): values
+    read on the host (.tolist(), .item(), .numpy(), a blocking .cpu() or .to("cpu")), and operations whose output's
+    size depends on the values (nonzero, masked_select, a boolean index: the host reads the count). A non-blocking
+    copy to the host does not wait."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._modes = (_ReadOnHost(self), _SizedByValues(self))
+
+    def __enter__(self) -> HostWaits:
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+
+
+class _ReadOnHost(TorchFunctionMode):
+    READS = (torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.numpy, torch.Tensor.cpu)
+
+    def __init__(self, counter: HostWaits) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.READS:
+            self.counter.count += 1
+        elif func is torch.Tensor.to and not kwargs.get("non_blocking"):
+            devices = [a for a in (*args[1:], kwargs.get("device")) if isinstance(a, (str, torch.device))]
+            self.counter.count += int(any(torch.device(d).type == "cpu" for d in devices))
+        return func(*args, **kwargs)
+
+
+class _SizedByValues(TorchDispatchMode):
+    OPS = (torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default)
+
+    def __init__(self, counter: HostWaits) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        boolean_index = func is torch.ops.aten.index.Tensor and any(
+            i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1]
+        )
+        self.counter.count += int(func in self.OPS or boolean_index)
+        return func(*args, **(kwargs or {}))

@@ -107,8 +107,12 @@ class PackedMultiVectorMask(MultiVectorMask):
         return features
 
 
-def scored_vectors(out: dict[str, Any]) -> list[torch.Tensor]:
-    """A pack's outputs -> per text its token vectors the scoring mask keeps [n_i, dim], on the device."""
-    lengths = list(out["packed"].lengths)
-    pairs = zip(out["token_embeddings"].split(lengths), out["scoring_mask"].split(lengths), strict=True)
-    return [tokens[mask] for tokens, mask in pairs]
+def scored_rows(out: dict[str, Any]) -> tuple[torch.Tensor, list[int]]:
+    """A pack's outputs -> the token vectors the scoring mask keeps, every text's one after the other [K, dim] on
+    the device, and how many are each text's. The counts are the pack's one transfer to the host (which waits there
+    for the pack); with their total the rows are gathered without another (a boolean index waits for its count)."""
+    packed, mask = out["packed"], out["scoring_mask"]
+    counts = torch.zeros(packed.num_sequences, dtype=torch.long, device=mask.device)
+    counts = counts.index_add_(0, packed.sequence_ids(), mask.long()).tolist()  # [B]
+    kept = torch.nonzero_static(mask, size=sum(counts)).squeeze(1)  # [K]
+    return out["token_embeddings"][kept], counts
