@@ -191,3 +191,16 @@ def test_rows_from_a_gpu_leave_pinned_memory_a_few_packs_behind():
     assert set(CopyDone.queues) == {"queue of cuda:1"}  # the model's GPU, whichever device is current
     assert torch.equal(torch.stack(results), torch.cat(packs))
     assert all(results[4 * n].data_ptr() != packs[n].data_ptr() for n in range(10))  # copies, not the pinned rows
+
+
+def test_a_packs_rows_of_several_lengths_land_split():
+    """A MultiVectorEncoder's pack: every text's rows in one tensor, copied once, split as it lands (a text may keep
+    no rows)."""
+    CopyDone.waited, CopyDone.queues = [], []
+    results: list = [None] * 3
+    landing = HostRows(results, torch.device("cuda", 0), event=CopyDone, stream=lambda device: device)
+    rows = torch.randn(7, 8)
+    landing.add([2, 0, 1], rows, counts=[3, 0, 4])
+    landing.finish()
+    assert [tuple(r.shape) for r in results] == [(0, 8), (4, 8), (3, 8)]
+    assert torch.equal(torch.cat([results[2], results[0], results[1]]), rows) and CopyDone.waited == [True]
