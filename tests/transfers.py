@@ -12,10 +12,12 @@ class HostToDevice:
     """Counts copies of host data to another device: a host tensor moved (.to, copy_), seen among the dispatched
     operations, and a tensor built on the device from host values (torch.tensor or torch.as_tensor of a list with
     device=...), which PyTorch fills on the host and copies without dispatching: only a torch-function mode sees it.
-    A pageable host tensor's copy to a GPU waits for the GPU's queue."""
+    `waits`: those of them that make the host wait for a GPU's queue, all but the non_blocking ones (which the code
+    sends through pinned memory on a GPU: engine/batch.py host_to_device; the meta device cannot pin)."""
 
     def __init__(self) -> None:
         self.copies = 0
+        self.waits = 0
         self._modes = (_BuiltOnDevice(self), _Moved(self))
 
     def __enter__(self) -> HostToDevice:
@@ -36,7 +38,9 @@ class _BuiltOnDevice(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in (torch.tensor, torch.as_tensor) and not isinstance(args[0], torch.Tensor):  # a tensor: _Moved
-            self.counter.copies += int(torch.device(kwargs.get("device") or "cpu").type != "cpu")
+            copied = int(torch.device(kwargs.get("device") or "cpu").type != "cpu")
+            self.counter.copies += copied
+            self.counter.waits += copied
         return func(*args, **kwargs)
 
 
@@ -51,7 +55,10 @@ class _Moved(TorchDispatchMode):
         if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
             source = args[1] if func is torch.ops.aten.copy_.default else args[0]
             target = args[0] if func is torch.ops.aten.copy_.default else out
-            self.counter.copies += int(source.device.type == "cpu" and target.device.type != "cpu")
+            copied = int(source.device.type == "cpu" and target.device.type != "cpu")
+            blocking = not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+            self.counter.copies += copied
+            self.counter.waits += copied * blocking
         return out
 
 

@@ -102,6 +102,15 @@ class PackedBatch:
         return replace(self, **{name: t.to(device, non_blocking=non_blocking) for name, t in moved.items()})
 
 
+def host_to_device(tensor: Tensor, device: torch.device | str) -> Tensor:
+    """A host tensor on `device` without the host waiting for the device's queue: on a GPU through pinned memory
+    (from pageable memory even a non_blocking copy waits). The caching host allocator keeps the pinned block until
+    the copy is done."""
+    device = torch.device(device)
+    pinned = tensor.pin_memory() if device.type == "cuda" and tensor.device.type == "cpu" else tensor
+    return pinned.to(device, non_blocking=True)
+
+
 def plan_batches(lengths: Sequence[int], max_texts: int, max_tokens: int) -> list[range]:
     """Split sequences, in the given order, into consecutive batches of at most `max_texts` sequences
     and `max_tokens` tokens (a sequence longer than `max_tokens` forms a batch of its own)."""
