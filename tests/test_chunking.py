@@ -9,8 +9,11 @@ import pytest
 import torch
 from helpers import TOLERANCE, load_both, max_diff, minilm_path
 from sentence_transformers import SentenceTransformer as PlainSentenceTransformer
+from transfers import HostToDevice
 
 from st_fastbackend import Chunking, SentenceTransformer
+from st_fastbackend.engine.batch import PackedBatch
+from st_fastbackend.models.chunked import aggregate, span_vectors
 
 LONG = " ".join(f"word{i} is here, and so is its neighbour number {i * 7}." for i in range(40))
 TEXTS = ["a short text", LONG, "", LONG[: len(LONG) // 3], "another text, a bit longer than the first one"]
@@ -121,6 +124,21 @@ def test_batch_invariance(minilm):
             alone = fast.encode_chunks([text], chunking)[0]
             assert alone.token_spans == chunks.token_spans
             assert max_diff(alone.embeddings, chunks.embeddings) <= TOLERANCE
+
+
+def test_late_chunking_copies_without_waiting(st_model):
+    """A pack's spans (token positions, the spans' own batch) and the chunks' weights reach a GPU without the host
+    waiting for its queue (pinned, non_blocking). The meta device stands in for the GPU."""
+    fast = SentenceTransformer(str(st_model("bert", pooling_mode="mean")), backend="fast", device="cpu")
+    out = {"packed": PackedBatch.from_sequences([[1] * 12, [1] * 9]).to("meta"),
+           "token_embeddings": torch.empty(21, fast.get_embedding_dimension(), device="meta")}  # fmt: skip
+    with HostToDevice() as counted:
+        vectors = span_vectors(
+            fast, out, [[(1, 6), (6, 11)], [(1, 8)]], lambda features: features["sentence_embedding"]
+        )
+        document = aggregate(vectors[:2], [(0, 5), (5, 10)], "mean", normalizes=True)
+    assert vectors.shape == (3, fast.get_embedding_dimension()) and document.device.type == "meta"
+    assert counted.copies > 0 and counted.waits == 0
 
 
 def test_late_with_dense_and_max_pooling(st_model):

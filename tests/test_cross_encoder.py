@@ -2,6 +2,8 @@
 folder, one per head type: predict raw and with activation, rank order, batch invariance, pairs past
 max_length, refused heads; the CUDA path through the kernel stand-ins."""
 
+import contextlib
+
 import kernel_standins
 import numpy as np
 import pytest
@@ -9,6 +11,7 @@ import sentence_transformers
 import torch
 from builders import build_cross_encoder, make_texts
 from helpers import DEVICE
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from st_fastbackend import CrossEncoder, UnsupportedModelError
 
@@ -158,6 +161,56 @@ def test_bf16_through_the_cuda_kernel_standins(standin, built, pairs, name, case
     ours = fast.predict(pairs, activation_fn=IDENTITY)
     assert kernel_standins.Calls.count > 0
     assert max_diff(ours, reference) <= 3 * max(max_diff(plain_bf16, reference), 1e-3)
+
+
+class AtomicIndexAdd(TorchDispatchMode):
+    """index_add_ as CUDA runs it: one atomic add per source element, each rounded to the destination's dtype
+    (aten/src/ATen/native/cuda/Indexing.cu, gpuAtomicAdd); here in source order, there in no fixed order. (The
+    CPU's kernel accumulates a bf16 index_add_ in fp32.)"""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is not torch.ops.aten.index_add_.default:
+            return func(*args, **(kwargs or {}))
+        out, dim, index, source = args
+        assert dim == 0 and not kwargs
+        for i, row in zip(index.tolist(), source, strict=True):
+            out[i] += row
+        return out
+
+
+def test_modernbert_mean_head_sums_in_fp32():
+    """bf16 rounding after each token would stall a sum of ones at 256; transformers sums in fp32, then rounds."""
+    from st_fastbackend.engine.batch import PackedBatch
+    from st_fastbackend.modules.heads import mean_tokens
+
+    packed = PackedBatch.from_sequences([[1] * 1000, [1] * 3, [1] * 300])
+    ones = torch.ones(packed.num_tokens, 4, dtype=torch.bfloat16)
+    with AtomicIndexAdd():
+        assert torch.equal(mean_tokens(ones, packed), torch.ones(3, 4, dtype=torch.bfloat16))
+    h = torch.randn(packed.num_tokens, 16, dtype=torch.bfloat16) + 1
+    segments = torch.split(h, list(packed.lengths))
+    expected = torch.stack([s.sum(0) / torch.tensor(len(s)) for s in segments])  # transformers' expression
+    assert expected.dtype == torch.bfloat16
+    torch.testing.assert_close(mean_tokens(h, packed), expected, atol=0, rtol=2**-8)  # one bf16 rounding
+
+
+def test_modernbert_mean_head_in_bf16_within_plains_error(built, pairs):
+    """bf16 scores against plain fp32 within 3x plain bf16's own error, and the same from run to run: on a GPU with
+    its atomic adds, on the CPU with them emulated."""
+    folder = built("modernbert mean")
+    long_pairs = [(first * 3, second * 3) for first, second in pairs]  # up to max_length: long sums
+    reference = sentence_transformers.CrossEncoder(str(folder), device="cpu").predict(
+        long_pairs, activation_fn=IDENTITY
+    )
+    plain_bf16 = sentence_transformers.CrossEncoder(
+        str(folder), device="cpu", model_kwargs={"dtype": torch.bfloat16}
+    ).predict(long_pairs, activation_fn=IDENTITY)
+    fast = CrossEncoder(str(folder), backend="fast", device=DEVICE, model_kwargs={"dtype": torch.bfloat16})
+    with AtomicIndexAdd() if DEVICE == "cpu" else contextlib.nullcontext():
+        ours = fast.predict(long_pairs, activation_fn=IDENTITY)
+        again = fast.predict(long_pairs, activation_fn=IDENTITY)
+    assert max_diff(ours, reference) <= 3 * max(max_diff(plain_bf16, reference), 1e-3)
+    assert np.array_equal(again, ours)
 
 
 # Qwen3-Reranker's shape in small: the pair rendered as query/document messages, then the assistant's turn.

@@ -10,11 +10,15 @@ import pytest
 import torch
 from helpers import DEVICE, TOLERANCE, load_both, max_diff
 from test_bf16 import one_minus_cosine
-from torch.utils._python_dispatch import TorchDispatchMode
+from transfers import HostToDevice
 
+from st_fastbackend.engine.attention import sdpa_attention
+from st_fastbackend.engine.batch import PackedBatch
 from st_fastbackend.engine.layers import Rotary
+from st_fastbackend.engine.runtime import Runtime
 
 pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the stand-ins replace the CUDA kernels on the CPU")
+SDPA_LOOP = Runtime("sdpa_loop", grouped_heads=True, window=True, is_causal=True, dtype=torch.float32)
 
 CASES = {
     "mistral window 16": ("mistral", dict(sliding_window=16)),
@@ -80,23 +84,6 @@ def test_fp32_never_reaches_a_flash_kernel_and_stays_exact(standin, plain_embedd
     assert kernel_standins.Calls.count == 0
 
 
-class HostToDevice(TorchDispatchMode):
-    """Counts copies of host tensors to another device."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.copies = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
-            source = args[1] if func is torch.ops.aten.copy_.default else args[0]
-            target = args[0] if func is torch.ops.aten.copy_.default else out
-            self.copies += int(source.device.type == "cpu" and target.device.type != "cpu")
-        return out
-
-
 def test_rotary_tables_reach_the_device_once():
     """A copy from pageable host memory makes the host wait for the GPU's queue: inv_freq moves once, not per
     pack. (The meta device stands for the GPU: it records copies without computing.)"""
@@ -107,6 +94,22 @@ def test_rotary_tables_reach_the_device_once():
             rotary(positions, torch.bfloat16)
     assert counted.copies == 1
     assert "_on_device" not in rotary.__getstate__()  # a pickled model carries no copy on a device
+
+
+def test_unattended_counts_reach_the_device_with_the_batch():
+    """ColBERT's attend=False: the attended counts go to the GPU in the batch's one copy; the SDPA loop (fp32 queries
+    on a GPU) and the kernels' gathered keys copy nothing more, per layer or per run of equal lengths."""
+    lengths = [9, 9, 7, 7, 7, 4]  # three runs
+    batch = PackedBatch.from_sequences([[1] * n for n in lengths]).with_attended([5, 9, 3, 7, 2, 4])
+    with HostToDevice() as counted:
+        on_device = batch.to("meta")
+        moved = counted.copies
+        q = torch.empty(sum(lengths), 2, 8, device="meta")
+        for _ in range(3):  # layers
+            sdpa_attention(q, q, q, on_device, causal=False, window=None, runtime=SDPA_LOOP)
+        keys, _, longest = on_device.attended_keys
+    assert moved == 4 and counted.copies == moved  # input_ids, position_ids, cu_seqlens, attended_counts
+    assert keys.shape == (sum(batch.attended),) and longest == 9
 
 
 @pytest.mark.parametrize("name", ["torch 2.11", "flash-attn 2.8"])

@@ -8,8 +8,12 @@ import torch
 from helpers import DEVICE, TOLERANCE, max_diff
 from hybrid_builders import build_colbert
 from sentence_transformers import MultiVectorEncoder as PlainMultiVectorEncoder
+from transfers import HostToDevice, HostWaits
 
 from st_fastbackend import MultiVectorEncoder, UnsupportedModelError
+from st_fastbackend.engine.batch import PackedBatch
+from st_fastbackend.modules.multi_vector import PackedMultiVectorMask
+from st_fastbackend.serve.batcher import PACK_OUTPUTS
 
 FAMILIES = ["bert", "roberta", "modernbert"]
 EXPANSION = {"strategy": "fixed", "attend": True, "length": 24}
@@ -54,6 +58,22 @@ def test_skiplist_and_prompts(tmp_path, texts):
     assert_same(plain.encode_query(texts[:16]), fast.encode_query(texts[:16]))
 
 
+def test_skiplist_and_allowlist_reach_the_device_once(tmp_path, texts):
+    """The skiplist and the allowlist (keep_only_token_ids) move to the device at the first pack, not at every one
+    (the meta device stands in for the GPU), and again when the allowlist changes: the same vectors as plain."""
+    plain, fast = load_both(build_colbert(tmp_path, "bert", skiplist_words=["a", "is"]))
+    mask = next(module for module in fast if isinstance(module, PackedMultiVectorMask))
+    packed = PackedBatch.from_sequences([[5, 6, 9], [7, 8]]).to("meta")
+    for allowlist in ([i for i in range(1000) if i % 3], [i for i in range(1000) if i % 4]):
+        for model in (plain, fast):
+            next(m for m in model if hasattr(m, "keep_only_token_ids")).keep_only_token_ids = allowlist
+        assert_same(plain.encode_document(texts[1:17]), fast.encode_document(texts[1:17]))
+        with HostToDevice() as counted:
+            for _ in range(3):  # packs
+                mask({"packed": packed}, task="document")
+        assert counted.copies == 2  # the skiplist, the allowlist
+
+
 def test_encode_arguments(tmp_path, texts):
     plain, fast = load_both(build_colbert(tmp_path, "bert"))
     for kwargs in [dict(normalize_embeddings=True), dict(convert_to_numpy=True), dict(task="query"),
@@ -75,6 +95,31 @@ def test_batch_invariance(tmp_path, texts):
     together = fast.encode_document(texts[:16])
     alone = [fast.encode_document(t) for t in texts[:16]]
     assert_same(alone, together)
+
+
+def test_host_waits_per_pack_do_not_grow_with_the_texts(tmp_path, texts, monkeypatch):
+    """From a GPU, a pack's rows reach the host after one wait (for the counts; the rows are gathered on the device
+    and copied without waiting), whatever the number of texts: in encode() and in the server's rows. The CPU stands
+    in for the GPU (tests/transfers.py)."""
+    fast = MultiVectorEncoder(str(build_colbert(tmp_path, "bert", skiplist_words=["a"])), backend="fast", device="cpu")
+    fast.encode_document(texts[:2])  # the skiplist reaches the device (once: test_skiplist_and_allowlist_...)
+    inner, waits = fast._packed_inference, []
+
+    def counted(*args, **kwargs):
+        with HostWaits() as counter:
+            found = inner(*args, **kwargs)
+        waits.append(counter.count)
+        return found
+
+    monkeypatch.setattr(fast, "_packed_inference", counted)
+    served = []
+    for n in (4, 32):  # one pack each
+        assert len(fast.encode_document(texts[:n], batch_size=64)) == n
+        out = fast.forward_sequences(fast[0].encode_task(texts[:n], None, "document", 0), task="document")
+        with HostWaits() as counter:
+            assert len(PACK_OUTPUTS["multi_vector"](out)) == n
+        served.append(counter.count)
+    assert waits == [1, 1] and served == [2, 2]  # the counts; the server also copies the rows (it needs them now)
 
 
 def test_save_loads_in_plain(tmp_path, texts):

@@ -53,7 +53,10 @@ def test_encode_respects_the_budget_and_keeps_order(model, texts, monkeypatch, b
 
 
 def test_budget_is_a_model_property(model, texts):
-    assert model.max_tokens_per_batch == schedule.CPU_TOKENS
+    dtype = next(model[0].parameters()).dtype
+    assert model.max_tokens_per_batch == schedule.default_max_tokens(model[0].config, dtype, model.device)
+    if DEVICE == "cpu":
+        assert model.max_tokens_per_batch == schedule.CPU_TOKENS
     model.max_tokens_per_batch = 50
     seen, handle = record_batches(model)
     try:
@@ -188,3 +191,16 @@ def test_rows_from_a_gpu_leave_pinned_memory_a_few_packs_behind():
     assert set(CopyDone.queues) == {"queue of cuda:1"}  # the model's GPU, whichever device is current
     assert torch.equal(torch.stack(results), torch.cat(packs))
     assert all(results[4 * n].data_ptr() != packs[n].data_ptr() for n in range(10))  # copies, not the pinned rows
+
+
+def test_a_packs_rows_of_several_lengths_land_split():
+    """A MultiVectorEncoder's pack: every text's rows in one tensor, copied once, split as it lands (a text may keep
+    no rows)."""
+    CopyDone.waited, CopyDone.queues = [], []
+    results: list = [None] * 3
+    landing = HostRows(results, torch.device("cuda", 0), event=CopyDone, stream=lambda device: device)
+    rows = torch.randn(7, 8)
+    landing.add([2, 0, 1], rows, counts=[3, 0, 4])
+    landing.finish()
+    assert [tuple(r.shape) for r in results] == [(0, 8), (4, 8), (3, 8)]
+    assert torch.equal(torch.cat([results[2], results[0], results[1]]), rows) and CopyDone.waited == [True]

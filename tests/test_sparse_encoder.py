@@ -10,8 +10,10 @@ import torch
 from helpers import DEVICE, TOLERANCE, max_diff
 from hybrid_builders import build_csr, build_splade
 from sentence_transformers import SparseEncoder as PlainSparseEncoder
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from st_fastbackend import SparseEncoder, UnsupportedModelError
+from st_fastbackend.engine.batch import PackedBatch
 from st_fastbackend.modules import splade
 
 FAMILIES = ["bert", "roberta", "distilbert", "modernbert"]
@@ -53,11 +55,61 @@ def test_vocabulary_projection_runs_in_slices(splade_folder, texts, monkeypatch)
     is larger than a slice: never [B, L, vocab], nor [T, vocab]."""
     plain, fast = load_both(splade_folder("bert"))
     expected = plain.encode(texts[:24], convert_to_tensor=True).to_dense()
-    monkeypatch.setattr(splade, "SLICE_ELEMENTS", 7 * fast.get_embedding_dimension())
+    for name in ("SLICE_ELEMENTS", "SCATTER_SLICE_ELEMENTS"):  # a CPU's slices, a GPU's
+        monkeypatch.setattr(splade, name, 7 * fast.get_embedding_dimension())
     rows, logits = [], splade._Head.logits
     monkeypatch.setattr(splade._Head, "logits", lambda head, h: rows.append(len(h)) or logits(head, h))
     assert_same(expected, fast.encode(texts[:24], convert_to_tensor=True))
     assert max(rows) == 7 and len(rows) > 24
+
+
+@pytest.mark.parametrize(("strategy", "activation"), [("max", "relu"), ("sum", "log1p_relu")])
+def test_one_scatter_per_slice_gives_the_per_text_rows(splade_folder, texts, monkeypatch, strategy, activation):
+    """The GPU's reduction (one scatter per slice) forced on the CPU, in slices of 7 tokens that cut sequences: the
+    per-text reduction's rows, exactly for max, within fp32 rounding for sum (it accumulates in fp32)."""
+    fast = SparseEncoder(str(splade_folder("bert", pooling_strategy=strategy, activation_function=activation)),
+                         backend="fast", device="cpu")  # fmt: skip
+    for name in ("SLICE_ELEMENTS", "SCATTER_SLICE_ELEMENTS"):
+        monkeypatch.setattr(splade, name, 7 * fast.get_embedding_dimension())
+    per_text = fast.encode(texts[:24], convert_to_tensor=True, convert_to_sparse_tensor=False)
+    monkeypatch.setattr(splade, "PER_TEXT_DEVICES", ())
+    per_slice = fast.encode(texts[:24], convert_to_tensor=True, convert_to_sparse_tensor=False)
+    if strategy == "max":
+        assert torch.equal(per_slice, per_text)
+    else:
+        torch.testing.assert_close(per_slice, per_text, rtol=1e-6, atol=0)
+
+
+class Operations(TorchDispatchMode):
+    """Counts the operations dispatched: on a GPU, each is at least one kernel launch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("strategy", ["max", "sum"])
+def test_launches_per_slice_do_not_grow_with_the_texts(monkeypatch, strategy):
+    """On a GPU (the meta device stands in: it runs no kernel, and is not a CPU), a pack of 256 tokens in slices of
+    64 launches as many kernels as 4 texts or as 32: not a few per text per slice."""
+    vocab, hidden = 1000, 16
+    monkeypatch.setattr(splade, "SCATTER_SLICE_ELEMENTS", 64 * vocab)
+    decoder = splade.Linear(hidden, vocab, device="meta")
+    head = splade._Head(decoder, torch.relu, torch.nn.LayerNorm(hidden, device="meta"), decoder)
+    pooling = splade.PackedSpladePooling(pooling_strategy=strategy)
+    counts = []
+    for lengths in ([64] * 4, [8] * 32):
+        packed = PackedBatch.from_sequences([[1] * n for n in lengths]).to("meta")
+        features = {"token_embeddings": torch.empty(256, hidden, device="meta"), "mlm_head": head, "packed": packed}
+        with Operations() as counted:
+            rows = pooling(features)["sentence_embedding"]
+        assert rows.shape == (len(lengths), vocab)
+        counts.append(counted.count)
+    assert counts[0] == counts[1]
 
 
 def test_batch_invariance(splade_folder, texts):

@@ -122,7 +122,7 @@ def sdpa_attention(
     # Where oneDNN's products follow (a CPU), the output projection takes the result without a copy (onednn.padded).
     out = onednn.with_room(q.shape, q) if runtime.product_dtype is not None else torch.empty_like(q)
     grouped = q.shape[1] != k.shape[1]
-    start, first = 0, 0  # the run's first token and first sequence
+    start = 0  # the run's first token
     for length, count in _equal_length_runs(batch.lengths):
         end = start + length * count
         # [n*L, H, D] -> [n, L, H, D] -> [n, H, L, D]
@@ -131,15 +131,14 @@ def sdpa_attention(
             ki = torch.cat((prefix_k.expand(count, -1, -1, -1), ki), dim=2)
             vi = torch.cat((prefix_v.expand(count, -1, -1, -1), vi), dim=2)
         mask = _mask(length, before, window, causal, q.device)
-        if batch.attended is not None:  # [n, 1, 1, L]: each sequence's keys up to its attended count
-            limits = torch.tensor(batch.attended[first : first + count], device=q.device)
-            attended = (torch.arange(length, device=q.device)[None, :] < limits[:, None])[:, None, None, :]
+        if batch.attended is not None:  # [n*L] -> [n, 1, 1, L]: each sequence's keys up to its attended count
+            attended = batch.attended_tokens[start:end].view(count, 1, 1, length)
             mask = attended if mask is None else mask & attended
         oi = F.scaled_dot_product_attention(
             qi, ki, vi, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=grouped, scale=scale
         )
         out[start:end].view(count, length, q.shape[1], q.shape[2]).copy_(oi.transpose(1, 2))  # -> [n, L, H, D]
-        start, first = end, first + count
+        start = end
     return out.to(dtype)
 
 

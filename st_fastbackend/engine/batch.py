@@ -27,6 +27,7 @@ class PackedBatch:
     # Per sequence, how many of its first tokens are attended to; the rest only attend (ColBERT's query expansion
     # tokens with attend=False: engine/attention.py). None: every token.
     attended: tuple[int, ...] | None = None
+    attended_counts: Tensor | None = None  # [B] int64, `attended` on the batch's device (with_attended sets both)
 
     @classmethod
     def from_sequences(
@@ -62,12 +63,19 @@ class PackedBatch:
         index = torch.arange(self.num_sequences, device=self.cu_seqlens.device)
         return torch.repeat_interleave(index, counts, output_size=self.num_tokens)
 
+    def with_attended(self, attended: Sequence[int]) -> PackedBatch:
+        """The batch with `attended` counts, given before .to(): they then reach the device in its one copy."""
+        return replace(self, attended=tuple(attended), attended_counts=torch.tensor(attended, device=self.device))
+
+    @property
+    def device(self) -> torch.device:
+        return self.cu_seqlens.device
+
     @functools.cached_property
     def attended_keys(self) -> tuple[Tensor, Tensor, int]:
         """With `attended`: the positions of the attended tokens [K], their cu_seqlens [B+1] and the longest count;
         computed at the first layer that asks, kept for the others (a moved batch is a new object)."""
-        device = self.cu_seqlens.device
-        counts = torch.tensor(self.attended, device=device)
+        device, counts = self.device, self.attended_counts
         cu = torch.zeros(len(counts) + 1, dtype=torch.int32, device=device)
         cu[1:] = counts.cumsum(0)
         total = sum(self.attended)
@@ -75,14 +83,32 @@ class PackedBatch:
         starts = self.cu_seqlens[:-1].long().repeat_interleave(counts, output_size=total)
         return starts + within, cu, max(self.attended)
 
+    @functools.cached_property
+    def attended_tokens(self) -> Tensor:
+        """[T] bool, with `attended`: whether each token is among its sequence's attended ones; computed on the
+        device at the first layer that asks (the SDPA loop views each run's key mask in it)."""
+        counts = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()
+        starts = self.cu_seqlens[:-1].long().repeat_interleave(counts, output_size=self.num_tokens)
+        limits = self.attended_counts.repeat_interleave(counts, output_size=self.num_tokens)
+        return torch.arange(self.num_tokens, device=self.device) - starts < limits
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
         """On a GPU, non_blocking copies go through pinned memory so they never wait for the GPU's queue."""
         device = torch.device(device)
         pin = non_blocking and device.type == "cuda" and self.input_ids.device.type == "cpu"
-        names = ("input_ids", "position_ids", "cu_seqlens", "token_type_ids")
+        names = ("input_ids", "position_ids", "cu_seqlens", "token_type_ids", "attended_counts")
         tensors = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
         moved = {name: (t.pin_memory() if pin else t) for name, t in tensors.items()}
         return replace(self, **{name: t.to(device, non_blocking=non_blocking) for name, t in moved.items()})
+
+
+def host_to_device(tensor: Tensor, device: torch.device | str) -> Tensor:
+    """A host tensor on `device` without the host waiting for the device's queue: on a GPU through pinned memory
+    (from pageable memory even a non_blocking copy waits). The caching host allocator keeps the pinned block until
+    the copy is done."""
+    device = torch.device(device)
+    pinned = tensor.pin_memory() if device.type == "cuda" and tensor.device.type == "cpu" else tensor
+    return pinned.to(device, non_blocking=True)
 
 
 def plan_batches(lengths: Sequence[int], max_texts: int, max_tokens: int) -> list[range]:

@@ -17,7 +17,7 @@ import torch
 from sentence_transformers.base.modules import Normalize
 from torch import Tensor
 
-from st_fastbackend.engine.batch import PackedBatch
+from st_fastbackend.engine.batch import PackedBatch, host_to_device
 from st_fastbackend.models.chunking import Chunking, Window, char_spans, chunk_size, cut, windows
 from st_fastbackend.models.host_rows import HostRows
 from st_fastbackend.modules.tokenizer import NoTokensError
@@ -108,9 +108,9 @@ def span_vectors(model, out: dict[str, Any], within: list[list[tuple[int, int]]]
     whole = rows(out) if any(o is not None for o in owner) else None
     if not index:
         return whole[owner]  # every span empty
-    features = {
-        "packed": PackedBatch.from_sequences([[0] * n for n in lengths if n]).to(tokens.device),
-        "token_embeddings": tokens[torch.tensor(index, device=tokens.device)],
+    features = {  # the spans' positions reach the device without the host waiting (engine/batch.py)
+        "packed": PackedBatch.from_sequences([[0] * n for n in lengths if n]).to(tokens.device, non_blocking=True),
+        "token_embeddings": tokens[host_to_device(torch.tensor(index), tokens.device)],
     }  # fmt: skip  [T', H]
     for module in list(model._modules.values())[1:]:
         features = module(features)
@@ -126,7 +126,8 @@ def aggregate(vectors: Tensor, token_spans: list[tuple[int, int]], how: str, nor
     if how == "max":
         out = vectors.float().amax(0)
     else:
-        weights = torch.tensor([max(e - s, 1) for s, e in token_spans], dtype=torch.float32, device=vectors.device)
+        weights = torch.tensor([max(e - s, 1) for s, e in token_spans], dtype=torch.float32)
+        weights = host_to_device(weights, vectors.device)
         out = (vectors.float() * weights[:, None]).sum(0) / weights.sum()
     if normalizes:
         out = torch.nn.functional.normalize(out, p=2, dim=0)

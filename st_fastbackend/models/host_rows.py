@@ -23,17 +23,19 @@ class HostRows:
         self.results, self.device = results, copied_from
         self.event = event or torch.cuda.Event  # a copy's completion
         self.stream = stream or torch.cuda.current_stream
-        self.pending: deque[tuple[list[int], Tensor, Any]] = deque()
+        self.pending: deque[tuple[list[int], Tensor, list[int] | None, Any]] = deque()
 
-    def add(self, positions: list[int], rows: list | Tensor) -> None:
+    def add(self, positions: list[int], rows: list | Tensor, counts: list[int] | None = None) -> None:
+        """`counts`: `rows` holds every position's rows one after the other, this many each (a MultiVectorEncoder's
+        [n_i, dim]): one tensor to copy, split where it lands."""
         if self.device is None:
-            self._place(positions, rows)
+            self._place(positions, rows, counts)
             return
         done = self.event()
         # On the queue of the model's GPU, where the copy was queued: the current device's (record()'s default)
         # is another GPU's for a model on cuda:1 or in a multi-process pool, and would be done at once.
         done.record(self.stream(self.device))
-        self.pending.append((positions, rows, done))
+        self.pending.append((positions, rows, counts, done))
         while len(self.pending) > self.DEPTH:
             self._land()
 
@@ -42,10 +44,10 @@ class HostRows:
             self._land()
 
     def _land(self) -> None:
-        positions, rows, done = self.pending.popleft()
+        positions, rows, counts, done = self.pending.popleft()
         done.synchronize()
-        self._place(positions, rows.clone())  # ordinary memory; the pinned block goes back to be reused
+        self._place(positions, rows.clone(), counts)  # ordinary memory; the pinned block goes back to be reused
 
-    def _place(self, positions: list[int], rows: list | Tensor) -> None:
-        for i, row in zip(positions, rows, strict=True):
+    def _place(self, positions: list[int], rows: list | Tensor, counts: list[int] | None) -> None:
+        for i, row in zip(positions, rows if counts is None else rows.split(counts), strict=True):
             self.results[i] = row

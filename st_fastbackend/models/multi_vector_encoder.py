@@ -18,7 +18,7 @@ from torch import Tensor
 from st_fastbackend.engine.spec import UnsupportedModelError
 from st_fastbackend.models.fast import FastModel
 from st_fastbackend.models.host_rows import HostRows
-from st_fastbackend.modules.multi_vector import PackedMultiVectorMask, PackedMultiVectorTransformer, scored_vectors
+from st_fastbackend.modules.multi_vector import PackedMultiVectorMask, PackedMultiVectorTransformer, scored_rows
 
 
 class MultiVectorEncoder(FastModel, sentence_transformers.MultiVectorEncoder):
@@ -67,15 +67,18 @@ class MultiVectorEncoder(FastModel, sentence_transformers.MultiVectorEncoder):
             return transformer.encode_task(chunk, prompt, task, first_index=positions.start)
 
         results: list = [None] * len(inputs)
-        landing = HostRows(results)
+        landing = HostRows(results, copied_from=device if save_to_cpu and device.type == "cuda" else None)
         runs = self.packed_runs(inputs, tokenize, prompt=prompt, device=device, batch_size=batch_size,
                                 max_tokens=max_tokens, show_progress_bar=show_progress_bar, task=task,
                                 **kwargs)  # fmt: skip
         for positions, out in runs:
-            vectors = scored_vectors(out)
+            rows, counts = scored_rows(out)  # [K, dim], each text's n_i
             if normalize_embeddings:
-                vectors = [torch.nn.functional.normalize(v, p=2, dim=-1) for v in vectors]
+                rows = torch.nn.functional.normalize(rows, p=2, dim=-1)
             if token_pooling is not None:
-                vectors = token_pooling.pool(vectors, task=task)
-            landing.add(positions, [v.cpu() for v in vectors] if save_to_cpu else vectors)
+                vectors = token_pooling.pool(list(rows.split(counts)), task=task)
+                rows, counts = torch.cat(vectors), [len(v) for v in vectors]
+            # From a GPU: one copy per pack, without waiting for it (HostRows waits, a few packs behind, and splits).
+            landing.add(positions, rows.to("cpu", non_blocking=True) if save_to_cpu else rows, counts)
+        landing.finish()
         return results

@@ -27,10 +27,13 @@ def last_tokens(h: Tensor, packed: PackedBatch) -> Tensor:
 
 
 def mean_tokens(h: Tensor, packed: PackedBatch) -> Tensor:
-    sums = torch.zeros(packed.num_sequences, h.shape[1], dtype=h.dtype, device=h.device)
-    sums.index_add_(0, packed.sequence_ids(), h)  # [B, H]
+    """As ModernBertForSequenceClassification: `.sum(dim=1)` accumulates in fp32 and rounds the sum to h's dtype,
+    which the lengths divide. (index_add_ into a bf16 buffer would round after every token: a sum stalls at 256
+    when adding ones, and on CUDA each token is an atomic add, in no fixed order.)"""
+    sums = torch.zeros(packed.num_sequences, h.shape[1], dtype=torch.float32, device=h.device)
+    sums.index_add_(0, packed.sequence_ids(), h.float())  # [B, H]
     lengths = (packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]).to(h.dtype)
-    return sums / lengths[:, None]
+    return sums.to(h.dtype) / lengths[:, None]
 
 
 class Head(nn.Module):

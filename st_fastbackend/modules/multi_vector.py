@@ -12,7 +12,6 @@ the encoders (a decoder's causal attention is refused with it).
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -78,7 +77,7 @@ class PackedMultiVectorTransformer(PackedTransformer):
         features = super().pack(sequences, prompt, prefix)
         if any(getattr(ids, "attended", None) is not None for ids in sequences):
             attended = tuple(getattr(ids, "attended", None) or len(ids) for ids in sequences)
-            features["packed"] = replace(features["packed"], attended=attended)
+            features["packed"] = features["packed"].with_attended(attended)
         return features
 
 
@@ -96,20 +95,43 @@ class PackedMultiVectorMask(MultiVectorMask):
     token is real or an expansion token (both scored for a query); the skiplist and the allowlist apply as the
     parent applies them."""
 
+    _on_device: tuple | None = None  # ((device, allowlist), skiplist ids, allowlist ids) there, as the last pack's
+
     def forward(self, features: dict[str, Any], task: str | None = None) -> dict[str, Any]:
         input_ids = features["packed"].input_ids
         mask = torch.ones_like(input_ids, dtype=torch.bool)
-        if (task or "document") in self.skiplist_tasks and self._skiplist_ids is not None and len(self._skiplist_ids):
-            mask &= ~torch.isin(input_ids, self._skiplist_ids.to(input_ids.device))
-        if task != "query" and self.keep_only_token_ids:
-            keep = torch.as_tensor(self.keep_only_token_ids, dtype=torch.long, device=input_ids.device)
+        skip, keep = self._ids_on(input_ids.device)
+        if (task or "document") in self.skiplist_tasks and skip is not None and len(skip):
+            mask &= ~torch.isin(input_ids, skip)
+        if task != "query" and keep is not None:
             mask &= torch.isin(input_ids, keep)
         features["scoring_mask"] = mask
         return features
 
+    def resolve_with_tokenizer(self, tokenizer) -> None:
+        super().resolve_with_tokenizer(tokenizer)
+        self._on_device = None  # a new skiplist
 
-def scored_vectors(out: dict[str, Any]) -> list[torch.Tensor]:
-    """A pack's outputs -> per text its token vectors the scoring mask keeps [n_i, dim], on the device."""
-    lengths = list(out["packed"].lengths)
-    pairs = zip(out["token_embeddings"].split(lengths), out["scoring_mask"].split(lengths), strict=True)
-    return [tokens[mask] for tokens, mask in pairs]
+    def _ids_on(self, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The skiplist and allowlist ids on the device, copied there once, not at every pack: a copy from pageable
+        host memory makes the host wait until the GPU's queue reaches it."""
+        key = (device, tuple(self.keep_only_token_ids or ()))
+        if self._on_device is None or self._on_device[0] != key:
+            keep = torch.tensor(key[1], dtype=torch.long) if key[1] else None
+            self._on_device = (key, *(None if t is None else t.to(device) for t in (self._skiplist_ids, keep)))
+        return self._on_device[1], self._on_device[2]
+
+    def __getstate__(self) -> dict:
+        """Pickled (multi-process pools) without the device copies: a worker may not have that device."""
+        return {k: v for k, v in self.__dict__.items() if k != "_on_device"}
+
+
+def scored_rows(out: dict[str, Any]) -> tuple[torch.Tensor, list[int]]:
+    """A pack's outputs -> the token vectors the scoring mask keeps, every text's one after the other [K, dim] on
+    the device, and how many are each text's. The counts are the pack's one transfer to the host (which waits there
+    for the pack); with their total the rows are gathered without another (a boolean index waits for its count)."""
+    packed, mask = out["packed"], out["scoring_mask"]
+    counts = torch.zeros(packed.num_sequences, dtype=torch.long, device=mask.device)
+    counts = counts.index_add_(0, packed.sequence_ids(), mask.long()).tolist()  # [B]
+    kept = torch.nonzero_static(mask, size=sum(counts)).squeeze(1)  # [K]
+    return out["token_embeddings"][kept], counts

@@ -20,14 +20,19 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
+from st_fastbackend.engine.batch import PackedBatch
 from st_fastbackend.engine.layers import Linear
 from st_fastbackend.engine.spec import UnsupportedModelError
 from st_fastbackend.engine.weights import CheckpointError, read_tensors
 from st_fastbackend.modules.options import task_config
 from st_fastbackend.modules.transformer import PackedTransformer
 
-# Logits computed at once: tokens per slice x vocabulary stays under this (64 MiB in fp32).
+# Logits computed at once: tokens per slice x vocabulary stays under this. On a CPU 64 MiB in fp32, which stays in
+# cache while each text's part of the slice is reduced; elsewhere (a GPU) one scatter per slice reduces every text
+# in it, and larger slices mean fewer launches (256 MiB in fp32; 256 tokens of XLM-R's 250k vocabulary).
 SLICE_ELEMENTS = 1 << 24
+SCATTER_SLICE_ELEMENTS = 1 << 26
+PER_TEXT_DEVICES = ("cpu",)  # where each text's part of a slice is reduced on its own (tests force the scatter)
 PARTS = ("weight", "bias")
 
 
@@ -178,29 +183,14 @@ class PackedSpladePooling(SpladePooling):
     def forward(self, features: dict[str, Any], **kwargs) -> dict[str, Any]:
         if "mlm_head" not in features:
             raise UnsupportedModelError("SpladePooling after a module other than a masked-LM Transformer")
-        h, head, lengths = features["token_embeddings"], features["mlm_head"], features["packed"].lengths
-        pooled = None
-        step = max(1, SLICE_ELEMENTS // head.vocab_size)
+        h, head, packed = features["token_embeddings"], features["mlm_head"], features["packed"]
+        # A few kernels per text per slice are cheap on a CPU, with the slice in its cache; on a GPU they would be
+        # thousands of launches a pack, so there one scatter per slice reduces all its texts.
+        per_text = h.device.type in PER_TEXT_DEVICES
+        reduce = _reduce_per_text if per_text else _reduce_per_slice
+        step = max(1, (SLICE_ELEMENTS if per_text else SCATTER_SLICE_ELEMENTS) // head.vocab_size)
         step = 1 << (step.bit_length() - 1) if step > 64 else step  # a size the oneDNN product takes unpadded
-        sequence, start_of_sequence = 0, 0  # the sequence the slice starts in, and where that sequence starts
-        for start in range(0, h.shape[0], step):
-            rows = head.logits(h[start : start + step])  # [n, vocab]
-            if pooled is None:
-                fill = float("-inf") if self.pooling_strategy == "max" else 0.0
-                pooled = torch.full((len(lengths), rows.shape[1]), fill, dtype=rows.dtype, device=rows.device)
-            if self.pooling_strategy == "sum":
-                rows = self._activate(rows)
-            end = start + rows.shape[0]
-            while sequence < len(lengths) and start_of_sequence < end:
-                stop = start_of_sequence + lengths[sequence]
-                part = rows[max(start_of_sequence, start) - start : min(stop, end) - start]
-                if self.pooling_strategy == "max":  # (no out=: forward_sequences may run with gradients on)
-                    pooled[sequence] = torch.maximum(pooled[sequence], part.amax(dim=0))
-                else:
-                    pooled[sequence] = pooled[sequence] + part.sum(dim=0)
-                if stop > end:  # the sequence goes on in the next slice
-                    break
-                sequence, start_of_sequence = sequence + 1, stop
+        pooled = reduce(h, head, packed, step, self.pooling_strategy, self._activate)
         if self.pooling_strategy == "max":
             pooled = self._activate(pooled)
         if self.embedding_dimension is None:
@@ -211,3 +201,47 @@ class PackedSpladePooling(SpladePooling):
     def _activate(self, x: Tensor) -> Tensor:
         x = x.relu_().log1p_()
         return x.log1p_() if self.activation_function == "log1p_relu" else x
+
+
+def _reduce_per_text(h: Tensor, head: _Head, packed: PackedBatch, step: int, strategy: str, activate) -> Tensor:
+    """[T, hidden] -> [B, vocab]: each slice's logits, each text's part of them reduced into its row (sums
+    activated first, max not yet)."""
+    lengths, pooled = packed.lengths, None
+    sequence, start_of_sequence = 0, 0  # the sequence the slice starts in, and where that sequence starts
+    for start in range(0, h.shape[0], step):
+        rows = head.logits(h[start : start + step])  # [n, vocab]
+        if pooled is None:
+            fill = float("-inf") if strategy == "max" else 0.0
+            pooled = torch.full((len(lengths), rows.shape[1]), fill, dtype=rows.dtype, device=rows.device)
+        if strategy == "sum":
+            rows = activate(rows)
+        end = start + rows.shape[0]
+        while sequence < len(lengths) and start_of_sequence < end:
+            stop = start_of_sequence + lengths[sequence]
+            part = rows[max(start_of_sequence, start) - start : min(stop, end) - start]
+            if strategy == "max":  # (no out=: forward_sequences may run with gradients on)
+                pooled[sequence] = torch.maximum(pooled[sequence], part.amax(dim=0))
+            else:
+                pooled[sequence] = pooled[sequence] + part.sum(dim=0)
+            if stop > end:  # the sequence goes on in the next slice
+                break
+            sequence, start_of_sequence = sequence + 1, stop
+    return pooled
+
+
+def _reduce_per_slice(h: Tensor, head: _Head, packed: PackedBatch, step: int, strategy: str, activate) -> Tensor:
+    """As _reduce_per_text, with one scatter over the tokens' sequence ids per slice, whatever the number of texts
+    in it. Sums accumulate in fp32 (a bf16 buffer would round at every token) and end in the logits' dtype."""
+    sequence_ids, pooled = packed.sequence_ids(), None  # [T]
+    for start in range(0, h.shape[0], step):
+        rows = head.logits(h[start : start + step])  # [n, vocab]
+        ids = sequence_ids[start : start + rows.shape[0]]  # [n]
+        if pooled is None:
+            dtype = rows.dtype if strategy == "max" else torch.float32
+            fill = float("-inf") if strategy == "max" else 0.0
+            pooled = torch.full((packed.num_sequences, rows.shape[1]), fill, dtype=dtype, device=rows.device)
+        if strategy == "max":
+            pooled.scatter_reduce_(0, ids[:, None].expand_as(rows), rows, reduce="amax")  # [n, vocab] -> [B, vocab]
+        else:
+            pooled.index_add_(0, ids, activate(rows).float())
+    return pooled.to(rows.dtype)

@@ -27,7 +27,7 @@ from st_fastbackend.engine.host_memory import release_memory
 from st_fastbackend.engine.runtime import is_device_failure
 from st_fastbackend.engine.schedule import Schedule
 from st_fastbackend.models.sentence_transformer import per_text_tokens
-from st_fastbackend.modules.multi_vector import scored_vectors
+from st_fastbackend.modules.multi_vector import scored_rows
 from st_fastbackend.serve.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -115,8 +115,10 @@ def _sparse_rows(out: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _multi_vector_rows(out: dict) -> list[torch.Tensor]:
-    """A MultiVectorEncoder's: per text its scored token vectors [n_i, dim], as its encode() gives them."""
-    return [vectors.float().cpu() for vectors in scored_vectors(out)]
+    """A MultiVectorEncoder's: per text its scored token vectors [n_i, dim], as its encode() gives them (one copy
+    per pack, split on the host)."""
+    rows, counts = scored_rows(out)
+    return list(rows.float().cpu().split(counts))
 
 
 LATE_CHUNKS = "late_chunks"  # per sequence its chunks' vectors [k, dim] (the Embedder pools the job's spans)
