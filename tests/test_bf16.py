@@ -105,3 +105,16 @@ def test_bf16_products_in_minilm_on_real_sentences(restore_matmul_precision):
     with open(DATA_DIR / "stsb" / "stsb-dev.tsv", encoding="utf8") as f:
         rows = list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))[:150]
     assert_bf16_products_closer_than_bf16(minilm_path(), [r["sentence1"] for r in rows])
+
+
+def test_the_products_setting_is_read_once_per_call_not_per_pack(st_model, texts, monkeypatch):
+    """The runtime is decided at load and passed down; PyTorch's fp32-product setting is looked at once per
+    schedule (here an encode() call of 8 packs), as the one thing a caller may change between calls."""
+    from st_fastbackend.engine import onednn
+
+    model = SentenceTransformer(str(st_model("bert", pooling_mode="mean")), backend="fast", device=DEVICE)
+    reads = []
+    real = onednn.bf16_products_allowed
+    monkeypatch.setattr(onednn, "bf16_products_allowed", lambda: reads.append(1) or real())
+    model.encode([t for t in texts if t][:8], batch_size=1)
+    assert len(reads) == 1

@@ -77,12 +77,12 @@ def test_a_tokens_numbers_do_not_depend_on_its_pack():
     torch.testing.assert_close(alone, together[[0, 17, 599]], atol=1e-6, rtol=1e-6)
 
 
-def test_compiled_passes_equal_the_eager_ones(monkeypatch):
+def test_compiled_passes_equal_the_eager_ones():
     torch.manual_seed(0)
     layer, x = int8_linear(64, 96), torch.randn(fused.MIN_TOKENS + 40, 64)
     with torch.inference_mode():
         compiled = layer.act(x, "gelu")
-        monkeypatch.setenv("ST_FASTBACKEND_COMPILE", "0")
+        layer.compiled_passes = False
         eager = layer.act(x, "gelu")
     torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=1e-6)
 
@@ -128,3 +128,18 @@ def test_real_minilm_int8_keeps_stsb_quality():
 
     model = SentenceTransformer(str(get_model_path()), backend="fast", device="cpu", model_kwargs={"quantize": "int8"})
     assert abs(sts_spearman(model, TASKS["stsb-test"], DATA) - 0.8203) <= 0.005
+
+
+def test_the_passes_are_compiled_or_not_as_decided_at_load(st_model, monkeypatch):
+    """ST_FASTBACKEND_COMPILE=0 keeps the int8 passes eager: read when the model decides its runtime, not at each
+    product."""
+    path = str(st_model("bert", pooling_mode="mean"))
+    monkeypatch.setenv("ST_FASTBACKEND_COMPILE", "0")
+    model = SentenceTransformer(path, backend="fast", device="cpu", model_kwargs={"quantize": "int8"})
+    linears = [m for m in model[0].modules() if isinstance(m, Linear)]
+    assert linears and not any(layer.compiled_passes for layer in linears)
+    monkeypatch.delenv("ST_FASTBACKEND_COMPILE")
+    model.encode(["the same after the environment changes"])
+    assert not any(layer.compiled_passes for layer in linears)
+    assert all(m.compiled_passes for m in SentenceTransformer(path, backend="fast", device="cpu",
+               model_kwargs={"quantize": "int8"})[0].modules() if isinstance(m, Linear))  # fmt: skip

@@ -16,25 +16,27 @@ from st_fastbackend.engine import fused, onednn, quantize
 class Linear(nn.Linear):
     """nn.Linear whose products run through oneDNN (engine/onednn.py) where the engine's Runtime says so:
     the engine sets `product_dtype` from it (None: PyTorch's F.linear; torch.int8: int8 products of
-    engine/quantize.py), and without gradients only. The dense weight stays the parameter (state_dict,
-    .to(device)); the reordered copies are rebuilt whenever the weight changes, and cost as much memory again
-    as the weights they copy (a quarter of it in int8)."""
+    engine/quantize.py, their passes compiled where `compiled_passes` says), and without gradients only. The
+    dense weight stays the parameter (state_dict, .to(device)); the reordered copies are rebuilt whenever the
+    weight changes, and cost as much memory again as the weights they copy (a quarter of it in int8)."""
 
     product_dtype: torch.dtype | None = None
+    compiled_passes: bool = True  # int8 only: the engine sets it from quantize.passes_compiled()
     _packed: dict | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         if not self._onednn():
             return F.linear(x, self.weight, self.bias)
         if self.product_dtype == torch.int8:
-            return quantize.product(x, self._part(0, 1)).to(self.weight.dtype)
+            return quantize.product(x, self._part(0, 1), compiled=self.compiled_passes).to(self.weight.dtype)
         return onednn.product(x, self._part(0, 1)).to(self.weight.dtype)
 
     def act(self, x: Tensor, name: str) -> Tensor:
         """ACT2FN[name](self(x)). Through oneDNN the activation runs inside the product and the result stays
         in the product dtype, which the next product takes."""
         if self._onednn() and self.product_dtype == torch.int8:  # the activation in the pass after the product
-            return quantize.product(x, self._part(0, 1), _activation(name)).to(self.weight.dtype)
+            product = quantize.product(x, self._part(0, 1), _activation(name), self.compiled_passes)
+            return product.to(self.weight.dtype)
         if name in onednn.ACTIVATIONS and self._onednn():
             return onednn.product(x, self._part(0, 1), activation=name)
         return _activation(name)(self(x))

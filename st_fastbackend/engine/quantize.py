@@ -96,14 +96,15 @@ def dequantize(sums: Tensor, scale: Tensor, bias: Tensor | None, activation: nn.
     return out if activation is None else activation(out)
 
 
-def product(x: Tensor, packed: QPacked, activation: nn.Module | None = None) -> Tensor:
+def product(x: Tensor, packed: QPacked, activation: nn.Module | None = None, compiled: bool = True) -> Tensor:
     """activation(x @ weight.T + bias) for x [..., in] in any float dtype: fp32 [..., out]. In eager PyTorch the
     passes around the kernel cost more than the int8 product itself (MiniLM paragraphs: int8 0.64x fp32's
     speed); compiled into one kernel each, as the layer seams are (engine/fused.py), they pay (1.18x, one
-    thread). Packs under fused.MIN_TOKENS tokens run them eagerly, as the seams do."""
+    thread). Packs under fused.MIN_TOKENS tokens run them eagerly, as the seams do; `compiled=False` always
+    (passes_compiled, decided at load)."""
     shape = x.shape[:-1]
     x = onednn.padded(x.reshape(-1, x.shape[-1]), torch.float32)  # [rows(T), in]
-    seams = _seams(x.shape[0] >= fused.MIN_TOKENS and os.environ.get("ST_FASTBACKEND_COMPILE") != "0")
+    seams = _seams(compiled and x.shape[0] >= fused.MIN_TOKENS)
     codes, scale = seams.quantize_rows(x)
     # (codes, their scale and zero point, weight, its scales and zero points, bias, output scale and zero point,
     # output dtype, post-op): [rows(T), out], sum(codes * weight codes) * weight scale
@@ -114,10 +115,16 @@ def product(x: Tensor, packed: QPacked, activation: nn.Module | None = None) -> 
     return out[: shape.numel()].unflatten(0, shape)  # [rows(T), out] -> [..., out]
 
 
+def passes_compiled() -> bool:
+    """Whether the passes around the int8 kernel run compiled: yes, unless ST_FASTBACKEND_COMPILE=0 (read when a
+    model decides its runtime, not at each product)."""
+    return os.environ.get("ST_FASTBACKEND_COMPILE") != "0"
+
+
 @functools.cache
 def _seams(compiled: bool) -> SimpleNamespace:
     """The two passes around the kernel, compiled (once per process, dynamic shapes, failures logged and run
-    eagerly: engine/fused.py's wrapper) or eager. ST_FASTBACKEND_COMPILE=0 keeps them eager."""
+    eagerly: engine/fused.py's wrapper) or eager."""
     wrap = fused._Timed if compiled else (lambda f: f)
     return SimpleNamespace(quantize_rows=wrap(quantize_rows), dequantize=wrap(dequantize))
 

@@ -67,8 +67,8 @@ class PackedTransformer(InputModule):
         self.config = config
         self.load_checkpoint(device, dtype)
         self.onednn_copies = device.type == "cpu" and onednn.copies_fit(self.model)  # else PyTorch's products
-        self.compiled_seams: bool | None = None  # True/False: on or off; None: fused.on_by_default for the device
-        self._use(self.runtime)
+        self._compiled_seams: bool | None = None  # True/False: on or off; None: fused.on_by_default for the device
+        self._decide()
 
         # As sentence-transformers' Transformer: max_seq_length becomes the tokenizer's model_max_length,
         # capped at the model's max_position_embeddings unless the caller set model_max_length.
@@ -132,14 +132,24 @@ class PackedTransformer(InputModule):
 
     @property
     def runtime(self) -> Runtime:
-        """The attention kernel with its capabilities, and the dtype of the matrix products, for the model's
-        device and dtype (decided once for each, and for PyTorch's setting of fp32 products on a CPU)."""
-        weight = next(self.model.parameters())
-        products = self.float_products
-        if self.quantize:  # int8 products in the Linear layers (_use), attention and the rest in the model dtype
-            products = quantize.check_device(weight.device)
-        seams = fused.on_by_default(weight.device.type) if self.compiled_seams is None else self.compiled_seams
-        return choose_runtime(weight.device.type, weight.dtype, weight.device.index, products, seams)
+        """The attention kernel with its capabilities, and the dtype of the matrix products, for the model's device
+        and dtype: decided at load, at each move (_apply) and when compiled_seams is set, and passed down to every
+        layer. Reading it also follows PyTorch's setting of fp32 products on a CPU, as plain sentence-transformers
+        does: every schedule reads it once (an encode() call, a server batch), no pack or product does."""
+        if self._products_setting != onednn.bf16_products_allowed():
+            self._decide()
+        return self._runtime
+
+    @property
+    def compiled_seams(self) -> bool | None:
+        """Whether the layer seams run compiled (engine/fused.py): True/False, the caller's choice; None (the
+        default): fused.on_by_default for the device."""
+        return self._compiled_seams
+
+    @compiled_seams.setter
+    def compiled_seams(self, value: bool | None) -> None:
+        self._compiled_seams = value
+        self._decide()
 
     @property
     def float_products(self) -> torch.dtype | None:
@@ -147,6 +157,18 @@ class PackedTransformer(InputModule):
         PyTorch's setting of fp32 products), else None (PyTorch's own products)."""
         weight = next(self.model.parameters())
         return onednn.product_dtype(weight.dtype) if self.onednn_copies and weight.device.type == "cpu" else None
+
+    def _decide(self) -> None:
+        """The runtime for where the weights are now, set up in the engine's layers (logged) when it changed."""
+        weight = next(self.model.parameters())
+        products = self.float_products
+        if self.quantize:  # int8 products in the Linear layers (_use), attention and the rest in the model dtype
+            products = quantize.check_device(weight.device)
+        seams = fused.on_by_default(weight.device.type) if self._compiled_seams is None else self._compiled_seams
+        self._products_setting = onednn.bf16_products_allowed()
+        runtime = choose_runtime(weight.device.type, weight.dtype, weight.device.index, products, seams)
+        if runtime is not getattr(self, "_runtime", None):
+            self._use(runtime)
 
     @property
     def attention_kernel(self) -> Kernel:
@@ -198,9 +220,7 @@ class PackedTransformer(InputModule):
         return Prefix(ids[:-1], len(ids)) if len(ids) > 1 else None
 
     def forward(self, features: dict[str, Any], **kwargs) -> dict[str, Any]:
-        runtime = self.runtime
-        if runtime is not self._applied:  # after .to(), or a change of PyTorch's setting for fp32 products
-            self._use(runtime)
+        runtime = self._runtime
         packed, prefix = features["packed"], features.get("prefix")
         if packed.input_ids.device.type == "cpu":  # freed activations stay in the process for the next pack
             host_memory.keep_freed_memory()
@@ -217,11 +237,13 @@ class PackedTransformer(InputModule):
 
     def _use(self, runtime: Runtime) -> None:
         """Set the engine's layers up for `runtime` (logged): at load, and again whenever it changes."""
+        compiled_passes = quantize.passes_compiled()
         for layer in self.model.modules():
             if isinstance(layer, Linear):
                 layer.product_dtype = torch.int8 if self.quantize else runtime.product_dtype
+                layer.compiled_passes = compiled_passes
         logger.info(f"Runtime: {runtime}" + (f"; Linear layers quantize={self.quantize!r}" if self.quantize else ""))
-        self._applied = runtime
+        self._runtime = runtime
 
     def train(self, mode: bool = True) -> PackedTransformer:
         """As nn.Module.train, except that the engine's own modules stay in eval mode: none of them acts differently
@@ -236,8 +258,7 @@ class PackedTransformer(InputModule):
     def _apply(self, fn, *args, **kwargs):
         """.to(device), .to(dtype): the engine's layers are set up for the new device and dtype at once."""
         module = super()._apply(fn, *args, **kwargs)
-        if (runtime := self.runtime) is not self._applied:
-            self._use(runtime)
+        self._decide()
         return module
 
     def save(self, output_path: str, *args, safe_serialization: bool = True, **kwargs) -> None:
