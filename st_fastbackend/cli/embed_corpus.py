@@ -86,9 +86,10 @@ def add_embed_corpus(commands, formatter_class) -> None:
 
 
 def embed_corpus(args: argparse.Namespace) -> None:
+    from st_fastbackend.corpus import CorpusError
     from st_fastbackend.corpus.guard import folder_lock
     from st_fastbackend.corpus.identity import output_width
-    from st_fastbackend.corpus.read import Columns, CorpusError, input_files, scan_input
+    from st_fastbackend.corpus.read import Columns, input_files, scan_input
 
     if importlib.util.find_spec("pyarrow") is None:
         raise CliError("embed-corpus reads and writes through pyarrow: pip install pyarrow")

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from st_fastbackend.corpus.read import CorpusError
+from st_fastbackend.corpus import CorpusError
 
 LOCK = ".embed-corpus.lock"
 ITEM_BYTES = {"float32": 4, "float16": 2}

@@ -9,7 +9,7 @@ import json
 import struct
 from pathlib import Path
 
-from st_fastbackend.corpus.read import CorpusError
+from st_fastbackend.corpus import CorpusError
 
 SMALL_FILE = 1 << 20  # configs, tokenizers, vocabularies: hashed whole
 TENSOR_SAMPLE = 4096  # bytes hashed at each end of every tensor

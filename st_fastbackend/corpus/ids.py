@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from st_fastbackend.corpus.read import CorpusError
+from st_fastbackend.corpus import CorpusError
 
 REPEATED = "its id is given to other rows too"
 SHOWN = 3  # rows named in the error for a repeated id

@@ -9,7 +9,7 @@ removed by the next run. A resume trusts a shard only when its size and sha256 a
 corrupted, truncated or emptied since (a disk, a copy, a power loss after the rename) is moved aside and its rows
 embedded again. Every shard carries the job's identity (the model's files, the input's bytes, columns, prompt,
 dtypes) in its Parquet metadata: a resume skips the ids the good shards hold, and another job's folder is refused.
-The job holds the folder's lock (corpus_guard.py) from before it reads the folder until it ends."""
+The job holds the folder's lock (guard.py) from before it reads the folder until it ends."""
 
 from __future__ import annotations
 
@@ -29,8 +29,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from st_fastbackend import __version__
+from st_fastbackend.corpus import CorpusError
 from st_fastbackend.corpus.guard import check_free_space, check_writable, write_file
-from st_fastbackend.corpus.read import CorpusError, InputScan, sha256_of_file
+from st_fastbackend.corpus.read import InputScan, sha256_of_file
 
 METADATA_KEY = b"st_fastbackend"
 MANIFEST = "manifest.json"

@@ -1,7 +1,7 @@
 """The corpus job's input: parquet files, a folder of them, JSON Lines or CSV, read through pyarrow a record batch
 at a time (never the whole corpus in memory), as two columns, the id and the text. One scan before any
 embedding counts the rows, finds the rows that cannot be embedded (a null id or text, a text that is not a string,
-an id given to several rows: corpus_ids.py) and hashes every file's bytes, so a bad row stops the job before anything
+an id given to several rows: ids.py) and hashes every file's bytes, so a bad row stops the job before anything
 is written and a resume knows the input is the one its shards were embedded from."""
 
 from __future__ import annotations
@@ -15,13 +15,12 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from st_fastbackend.corpus import CorpusError
+from st_fastbackend.corpus.ids import repeated_ids
+
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".ndjson": "json", ".json": "json", ".csv": "csv"}
 BATCH_ROWS = 8192
 HASH_CHUNK = 1 << 20
-
-
-class CorpusError(Exception):
-    """A mistake in the corpus job's input or output folder the user can fix (the CLI prints it in one line)."""
 
 
 @dataclass(frozen=True)
@@ -172,7 +171,6 @@ def scan_input(files: tuple[Path, ...], columns: Columns, stop_at_invalid: bool,
                stop_at_repeated: bool = True) -> InputScan:  # fmt: skip
     """Rows, rejects and a hash of every file's bytes; CorpusError at the first bad row with `stop_at_invalid`, at
     an id given to several rows with `stop_at_repeated`."""
-    from st_fastbackend.corpus.ids import repeated_ids
 
     rows, rejects, python_json, ids, digest = 0, [], set(), [], hashlib.sha256()
     for path in files:
