@@ -102,7 +102,7 @@ def off_the_main_thread(load: Callable[[], Any]) -> Any:
     worker's. PyTorch's OpenMP on Linux (libgomp) gives every thread that runs a parallel operator a pool of
     threads for its life, and once the pools hold more threads than there are CPUs, a pool's threads sleep between
     operators instead of waiting awake: a model loaded on the main thread made every operator of the worker's wait
-    for a thread to wake (MiniLM, one text: 6.8 ms a call instead of 3.6; in the server 12.4 ms, eval/RESULTS.md)."""
+    for a thread to wake (about twice a one-text call's time: eval/RESULTS.md, "2026-12-02 05:53 — short calls")."""
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="load") as thread:
         return thread.submit(load).result()  # leaving the block ends the thread, and its pool with it
 

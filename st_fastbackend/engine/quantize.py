@@ -4,12 +4,11 @@ once at load, activations per token at each product, int8 x int8 -> int32 sums i
 The kernel is PyTorch's onednn::qlinear_pointwise (aten/src/ATen/native/quantized/cpu/qlinear.cpp, the op
 PyTorch's own x86 int8 path lowers to), on a weight reordered once by onednn::qlinear_prepack. It multiplies
 the weight's per-channel scales in and returns fp32; each token's scale and the bias follow in one pass.
-Measured on this project's CPU (eval/bench_int8.py, eval/RESULTS.md): ~1,000 GOP/s against fp32's ~180,
-equal to torch._int_mm (also oneDNN, s8 x s8 -> s32), which would need two more passes over its int32
-output. oneDNN's fast int8 kernels take unsigned activations: a signed int8 activation q is passed as
-q + 128 with zero point 128 (the weight's compensation is in its prepacked form); signed activations go to
-oneDNN's reference kernel, ~10,000 times slower here. Per token, not per tensor: a text's numbers do not
-depend on the other texts of its pack.
+Chosen by measurement (eval/RESULTS.md, "2026-12-01 (night) — int8 products") over torch._int_mm (also
+oneDNN, s8 x s8 -> s32), as fast but needing two more passes over its int32 output. oneDNN's fast int8 kernels
+take unsigned activations: a signed int8 activation q is passed as q + 128 with zero point 128 (the weight's
+compensation is in its prepacked form); signed activations go to oneDNN's reference kernel, thousands of times
+slower. Per token, not per tensor: a text's numbers do not depend on the other texts of its pack.
 
 Symmetric on both sides, as in LLM.int8() and SmoothQuant's per-token dynamic W8A8 (Dettmers et al. 2022,
 Xiao et al. 2022): scale = max |row| / 127, q = round(x / scale).
@@ -98,10 +97,10 @@ def dequantize(sums: Tensor, scale: Tensor, bias: Tensor | None, activation: nn.
 
 def product(x: Tensor, packed: QPacked, activation: nn.Module | None = None, compiled: bool = True) -> Tensor:
     """activation(x @ weight.T + bias) for x [..., in] in any float dtype: fp32 [..., out]. In eager PyTorch the
-    passes around the kernel cost more than the int8 product itself (MiniLM paragraphs: int8 0.64x fp32's
-    speed); compiled into one kernel each, as the layer seams are (engine/fused.py), they pay (1.18x, one
-    thread). Packs under fused.MIN_TOKENS tokens run them eagerly, as the seams do; `compiled=False` always
-    (passes_compiled, decided at load)."""
+    passes around the kernel cost more than the int8 product itself; compiled into one kernel each, as the layer
+    seams are (engine/fused.py), they pay (eval/RESULTS.md, "2026-12-02 05:10 — int8 products"). Packs under
+    fused.MIN_TOKENS tokens run them eagerly, as the seams do; `compiled=False` always (passes_compiled, decided
+    at load)."""
     shape = x.shape[:-1]
     x = onednn.padded(x.reshape(-1, x.shape[-1]), torch.float32)  # [rows(T), in]
     seams = _seams(compiled and x.shape[0] >= fused.MIN_TOKENS)
