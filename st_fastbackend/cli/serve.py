@@ -126,7 +126,7 @@ def run_server(app, args: argparse.Namespace) -> None:
     (logger.warning if cap < args.max_connections else logger.info)(fitted)
     limits = ConnectionLimits(cap, args.max_header_bytes, args.max_headers, args.header_timeout,
                               args.keep_alive_timeout)  # fmt: skip
-    connections = Connections(limits, app.state.metrics)
+    connections = Connections(limits, app.state.metrics, app.state.fail.shape_for)
     # uvicorn's own keep-alive timer restarts on any byte; the guard's fires first, uvicorn's is a backstop.
     # limit_concurrency: a 503 once that many requests are in flight, counting those whose client has left
     # (the guard keeps connections at `cap`, below it).

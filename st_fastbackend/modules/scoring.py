@@ -26,6 +26,7 @@ from st_fastbackend.engine.spec import UnsupportedModelError
 from st_fastbackend.engine.weights import CheckpointError, checkpoint_files, load_weights
 from st_fastbackend.modules.heads import build_head, last_tokens
 from st_fastbackend.modules.options import task_config
+from st_fastbackend.modules.tokenizer import kind_of, naming_lone_surrogates
 from st_fastbackend.modules.transformer import PackedTransformer
 
 TASKS = ("sequence-classification", "text-generation")
@@ -103,7 +104,8 @@ class PackedScoringTransformer(PackedTransformer):
         if self.pair_formatter is not None:
             return self._rendered_pairs(pairs, prompt, first_index)
         texts = [[prompt + first, second] if prompt else [first, second] for first, second in pairs]
-        out = self.tokenizer(texts, truncation="longest_first", padding=False, verbose=False)
+        with naming_lone_surrogates(pairs, first_index, prompt):
+            out = self.tokenizer(texts, truncation="longest_first", padding=False, verbose=False)
         sequences = []
         for index, ids in enumerate(out["input_ids"]):
             if not ids:
@@ -126,7 +128,8 @@ class PackedScoringTransformer(PackedTransformer):
     def _rendered_pairs(self, pairs: list, prompt: str | None, first_index: int) -> list[list[int]]:
         """Token ids of each pair through the chat template, as sentence-transformers' preprocess makes them (its
         padded batch, unpadded by its attention mask)."""
-        features = self.pair_formatter.preprocess([list(pair) for pair in pairs], prompt=prompt)
+        with naming_lone_surrogates(pairs, first_index, prompt):
+            features = self.pair_formatter.preprocess([list(pair) for pair in pairs], prompt=prompt)
         sequences = [ids[mask.bool()].tolist() for ids, mask in zip(features["input_ids"], features["attention_mask"],
                                                                      strict=True)]  # fmt: skip
         for index, ids in enumerate(sequences):
@@ -188,10 +191,17 @@ class PackedLogitScore(LogitScore):
 
 
 def check_pairs(inputs: list) -> list[tuple[str, str]]:
-    """Every input a pair of two texts; anything else named by the caller's index."""
+    """Every input a pair of two texts; anything else a TypeError (not a pair, or not texts) or a ValueError (not
+    two) naming the caller's index. Plain sentence-transformers refuses these too (a ValueError naming a type)."""
     for index, pair in enumerate(inputs):
-        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
-            raise UnsupportedModelError(
-                f"Input {index} ({str(pair)[:80]}): the fast backend scores pairs of two texts only"
-            )
+        if not isinstance(pair, (list, tuple)):
+            raise TypeError(f"Input {index} is {kind_of(pair)}; CrossEncoder scores pairs of two texts, "
+                            "(query, document).")  # fmt: skip
+        if len(pair) != 2:
+            raise ValueError(f"Input {index} is a {type(pair).__name__} of length {len(pair)}; CrossEncoder scores "
+                             "pairs of two texts.")  # fmt: skip
+        for position, text in zip(("first", "second"), pair, strict=True):
+            if not isinstance(text, str):
+                raise TypeError(f"Input {index}: its {position} element is {kind_of(text)}, not a text; the fast "
+                                "backend scores pairs of two texts.")  # fmt: skip
     return inputs

@@ -11,13 +11,14 @@ truncated token ids are those of the full text, and never reads more than a boun
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,12 +91,45 @@ def last_word_start(tokenizer: PreTrainedTokenizerBase, text: str) -> int:
 def check_texts(inputs: list) -> None:
     for index, text in enumerate(inputs):
         if not isinstance(text, str):
-            kinds = {dict: "a dict (multimodal input)", list: "a list (a pair of texts?)", tuple: "a tuple (a pair?)"}
-            kind = kinds.get(type(text), type(text).__name__)
             raise TypeError(
-                f"The fast backend embeds plain strings; input {index} is {kind}. "
+                f"The fast backend embeds plain strings; input {index} is {kind_of(text)}. "
                 'Text pairs and dict inputs are not supported by it; backend="torch" accepts them.'
             )
+
+
+def kind_of(value: Any) -> str:
+    """What an input that is not a text is, for an error naming it."""
+    kinds = {dict: "a dict (multimodal input)", list: "a list (a pair of texts?)", tuple: "a tuple (a pair?)"}
+    return "None" if value is None else kinds.get(type(value), f"{type(value).__name__} {str(value)[:40]!r}")
+
+
+# JSON may escape half of a UTF-16 surrogate pair ("\ud800"), and a Python string may hold one; tokenizers refuse it
+# with a TypeError ("TextEncodeInput must be Union[...]") that names neither the input nor the character.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(text: str, what: str) -> str | None:
+    """A sentence naming `what` and the code point of its first lone surrogate; None for valid Unicode."""
+    if found := _LONE_SURROGATE.search(text):
+        return f"{what} holds a lone surrogate (U+{ord(found.group()):04X}), which is not Unicode text."
+    return None
+
+
+@contextlib.contextmanager
+def naming_lone_surrogates(inputs: list, first_index: int = 0, prompt: str | None = None) -> Iterator[None]:
+    """Around a tokenizer call on `inputs` (texts, or pairs of texts) numbered from `first_index`: its TypeError for
+    a lone surrogate becomes a ValueError naming the prompt or the input, and the code point. Looked for only once
+    the tokenizer has refused: valid input is not scanned twice."""
+    try:
+        yield
+    except TypeError:
+        named = [(prompt, "The prompt")] if prompt else []
+        for index, item in enumerate(inputs):
+            named += [(text, f"Input {first_index + index}") for text in (item if isinstance(item, (list, tuple))
+                                                                         else (item,))]  # fmt: skip
+        if found := next(filter(None, (lone_surrogate(t, what) for t, what in named if isinstance(t, str))), None):
+            raise ValueError(found) from None
+        raise
 
 
 # The files one of transformers' tokenizers is built from: a tokenizer.json, or a vocabulary of its own.
@@ -219,7 +253,8 @@ class TextTokenizer:
     ) -> list[list[int]]:
         """Token ids of prompt + text for each text; an input without any token is an error naming it
         (as `first_index` + its position, the caller's numbering)."""
-        sequences = self._token_ids([prompt + text for text in texts] if prompt else texts, max_length)
+        with naming_lone_surrogates(texts, first_index, prompt):
+            sequences = self._token_ids([prompt + text for text in texts] if prompt else texts, max_length)
         for index, ids in enumerate(sequences):
             if not ids:
                 raise NoTokensError(first_index + index, texts[index])
@@ -240,7 +275,8 @@ class TextTokenizer:
             if (kept := self._prompts.get(prompt)) is not None:
                 self._prompts.move_to_end(prompt)
                 return kept
-        ids = self._token_ids([prompt], None)[0]
+        with naming_lone_surrogates([], prompt=prompt):
+            ids = self._token_ids([prompt], None)[0]
         trailing_special = bool(ids) and ids[-1] in self.tokenizer.all_special_ids
         kept = tuple(ids[: len(ids) - trailing_special])
         with self._prompts_lock:

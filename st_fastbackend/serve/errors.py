@@ -40,8 +40,11 @@ class ErrorResponses:
 
     def __call__(self, error: ApiError, headers: dict[str, str] | None = None, path: str = "") -> JSONResponse:
         self.total.labels(type=error.code or error.type).inc()
-        status, body = self.shapes.get(path, openai_shape)(error)
+        status, body = self.shape_for(path)(error)
         return JSONResponse(body, status_code=status, headers=headers)
+
+    def shape_for(self, path: str) -> Shape:
+        return self.shapes.get(path, openai_shape)
 
 
 def unparsable_body(cause: BaseException | None) -> str | None:
