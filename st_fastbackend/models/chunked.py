@@ -20,7 +20,8 @@ from torch import Tensor
 from st_fastbackend.engine.batch import PackedBatch
 from st_fastbackend.models.chunking import Chunking, Window, char_spans, chunk_size, cut, windows
 from st_fastbackend.models.host_rows import HostRows
-from st_fastbackend.modules.tokenizer import NoTokensError, naming_lone_surrogates
+from st_fastbackend.modules.inputs import naming_lone_surrogates
+from st_fastbackend.modules.tokenizer import NoTokensError
 
 SPAN_POOLING = ("mean", "max", "mean_sqrt_len_tokens")  # the modes that pool a span of tokens as they pool a text
 Rows = Callable[[dict[str, Any]], Tensor]  # a pack's outputs -> its rows as encode() finishes them

@@ -11,19 +11,20 @@ truncated token ids are those of the full text, and never reads more than a boun
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import re
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
+
+from st_fastbackend.modules.inputs import naming_lone_surrogates
 
 logger = logging.getLogger(__name__)
 
@@ -86,50 +87,6 @@ def last_word_start(tokenizer: PreTrainedTokenizerBase, text: str) -> int:
         return 0
     first = words.index(words[-1])  # the first token of the last word
     return encoded["offset_mapping"][first][0]
-
-
-def check_texts(inputs: list) -> None:
-    for index, text in enumerate(inputs):
-        if not isinstance(text, str):
-            raise TypeError(
-                f"The fast backend embeds plain strings; input {index} is {kind_of(text)}. "
-                'Text pairs and dict inputs are not supported by it; backend="torch" accepts them.'
-            )
-
-
-def kind_of(value: Any) -> str:
-    """What an input that is not a text is, for an error naming it."""
-    kinds = {dict: "a dict (multimodal input)", list: "a list (a pair of texts?)", tuple: "a tuple (a pair?)"}
-    return "None" if value is None else kinds.get(type(value), f"{type(value).__name__} {str(value)[:40]!r}")
-
-
-# JSON may escape half of a UTF-16 surrogate pair ("\ud800"), and a Python string may hold one; tokenizers refuse it
-# with a TypeError ("TextEncodeInput must be Union[...]") that names neither the input nor the character.
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def lone_surrogate(text: str, what: str) -> str | None:
-    """A sentence naming `what` and the code point of its first lone surrogate; None for valid Unicode."""
-    if found := _LONE_SURROGATE.search(text):
-        return f"{what} holds a lone surrogate (U+{ord(found.group()):04X}), which is not Unicode text."
-    return None
-
-
-@contextlib.contextmanager
-def naming_lone_surrogates(inputs: list, first_index: int = 0, prompt: str | None = None) -> Iterator[None]:
-    """Around a tokenizer call on `inputs` (texts, or pairs of texts) numbered from `first_index`: its TypeError for
-    a lone surrogate becomes a ValueError naming the prompt or the input, and the code point. Looked for only once
-    the tokenizer has refused: valid input is not scanned twice."""
-    try:
-        yield
-    except TypeError:
-        named = [(prompt, "The prompt")] if prompt else []
-        for index, item in enumerate(inputs):
-            named += [(text, f"Input {first_index + index}") for text in (item if isinstance(item, (list, tuple))
-                                                                         else (item,))]  # fmt: skip
-        if found := next(filter(None, (lone_surrogate(t, what) for t, what in named if isinstance(t, str))), None):
-            raise ValueError(found) from None
-        raise
 
 
 # The files one of transformers' tokenizers is built from: a tokenizer.json, or a vocabulary of its own.
@@ -263,6 +220,18 @@ class TextTokenizer:
     def count(self, text: str, prompt: str | None, max_length: int) -> int:
         """Tokens of prompt + text, counted up to `max_length`."""
         return len(self._token_ids([prompt + text if prompt else text], max_length)[0])
+
+    def own_ids(self, text: str, max_length: int | None = None) -> list[int]:
+        """The text's own token ids, without special tokens (what a pair holds of it), its first `max_length`."""
+        cut = {"truncation": True, "max_length": max_length} if max_length is not None else {"truncation": False}
+        with self.lock:
+            return self.tokenizer(text, add_special_tokens=False, verbose=False, return_attention_mask=False,
+                                  return_token_type_ids=False, **cut)["input_ids"]  # fmt: skip
+
+    def word_start(self, text: str) -> int:
+        """Where the tokenizer's last word of `text` begins (last_word_start), under the lock."""
+        with self.lock:
+            return last_word_start(self.tokenizer, text)
 
     def prompt_length(self, prompt: str) -> int:
         return len(self.prompt_ids(prompt))

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from st_fastbackend.modules.tokenizer import lone_surrogate
+from st_fastbackend.modules.inputs import lone_surrogate
 from st_fastbackend.serve.errors import ApiError
 
 

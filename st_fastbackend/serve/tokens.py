@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from st_fastbackend.embedder import Embedder
-from st_fastbackend.modules.tokenizer import NoTokensError, WholeTokens, clip_text, last_word_start
+from st_fastbackend.modules.tokenizer import NoTokensError, WholeTokens, clip_text
 
 _WORD = re.compile(r"(?<=\s)\S")  # where a word begins after whitespace
 _SPACE = re.compile(r"\s")
@@ -70,7 +70,7 @@ class RequestTokenizer:
                                  "leaves no room for it.")  # fmt: skip
             return [list(alone) for _ in texts]
         ids = []
-        for first, chunk in self._chunks(texts, prompt):
+        for first, chunk in self.chunks(texts, prompt):
             ids += await loop.run_in_executor(self.pool, self._tokenized, chunk, prompt, truncate, first, keep_end)
         return ids
 
@@ -80,7 +80,7 @@ class RequestTokenizer:
     def _bound(self) -> str:
         return f"{SLACK} x --max-input-tokens {self.limit} x {self.longest_token}, the vocabulary's longest token"
 
-    def _chunks(self, texts: list[str], prompt: str | None) -> Iterator[tuple[int, list[str]]]:
+    def chunks(self, texts: list[str], prompt: str | None) -> Iterator[tuple[int, list[str]]]:
         """(position of the first, texts) with about CHUNK_CHARS characters to tokenize each."""
         first, size = 0, 0
         for index, text in enumerate(texts):
@@ -185,8 +185,7 @@ class RequestTokenizer:
         return len(seq) > self.limit
 
     def _word_start(self, text: str) -> int:
-        with self.embedder.texts.lock:  # the worker may measure a prompt meanwhile (modules/tokenizer.py)
-            return last_word_start(self.embedder.texts.tokenizer, text)
+        return self.embedder.texts.word_start(text)  # locked: the worker may measure a prompt meanwhile
 
     def _count(self, text: str, prompt: str | None, max_length: int) -> int:
         return self.embedder.texts.count(text, prompt, max_length)
