@@ -170,11 +170,13 @@ class DocumentTokens:
 
 @dataclass(frozen=True)
 class WholeTokens:
-    """A text's tokens: ids, which are special (1), and each one's (start, end) characters ((0, 0) for one added)."""
+    """A text's tokens: ids, which are special (1), each one's (start, end) characters ((0, 0) for one added), and
+    the tokenizer's word each belongs to (None for a special token)."""
 
     ids: list[int]
     special: list[int]
     offsets: list[tuple[int, int]]
+    words: list[int | None]
 
 
 # The prompts' tokens kept, least recently used dropped first: a server sees any number of distinct prompts.
@@ -262,8 +264,10 @@ class TextTokenizer:
     def document(self, text: str, prompt: str | None = None) -> DocumentTokens:
         """prompt + text tokenized whole, without truncation, split into what every chunk of it repeats (special
         tokens and the prompt) and the text's own tokens with their character spans in `text` (chunking)."""
-        full = prompt + text if prompt else text
-        whole = self.whole(full)
+        return self.split(self.whole(prompt + text if prompt else text), text, prompt)
+
+    def split(self, whole: WholeTokens, text: str, prompt: str | None) -> DocumentTokens:
+        """The tokens of prompt + text (`whole`) as document() gives them: head, the text's own, tail."""
         ids, special = whole.ids, whole.special
         end = len(ids)
         while end and special[end - 1]:
@@ -274,7 +278,7 @@ class TextTokenizer:
             if tuple(ids[:start]) != self.prompt_ids(prompt):  # the prompt's last token merged with the text's
                 raise ValueError(f"The prompt {prompt[:80]!r} does not tokenize apart from the text {text[:80]!r}: "
                                  "its chunks cannot each begin with the prompt's own tokens.")  # fmt: skip
-        shift = len(full) - len(text)
+        shift = len(prompt or "")
         spans = [(max(0, a - shift), max(0, b - shift)) for a, b in whole.offsets[start:end]]
         return DocumentTokens(ids[:start], ids[start:end], ids[end:], spans)
 
@@ -291,6 +295,7 @@ class TextTokenizer:
             bos + encoded["input_ids"] + eos,
             [1] * len(bos) + encoded["special_tokens_mask"] + [1] * len(eos),
             [(0, 0)] * len(bos) + encoded["offset_mapping"] + [(0, 0)] * len(eos),
+            [None] * len(bos) + encoded.word_ids() + [None] * len(eos),
         )
 
     def _token_ids(self, texts: list[str], max_length: int | None) -> list[list[int]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 
 from fastapi import FastAPI
 
@@ -50,6 +51,8 @@ def create_app(
     cross_encoder = is_cross_encoder(model)
     adapter = Reranker if cross_encoder else Embedder
     limits, metrics, embedder = limits or Limits(), Metrics(), adapter(model)
+    if limits.max_request_tokens is None:
+        limits = dataclasses.replace(limits, max_request_tokens=max_batch_size * max_input_tokens)
     batcher = Batcher(embedder, max_tokens_per_batch, max_batch_size, metrics, dynamic_batching,
                       pack_seconds=pack_seconds)  # fmt: skip
     tokenizer = RequestTokenizer(embedder, max_input_tokens)

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from st_fastbackend.engine.schedule import Schedule
 from st_fastbackend.serve.batcher import Job, ShuttingDown
-from st_fastbackend.serve.errors import ApiError, server_error
+from st_fastbackend.serve.errors import ApiError, server_error, too_many_tokens
 from st_fastbackend.serve.pairs import PairReader, pair_ids
 from st_fastbackend.serve.routes import Served, _unless_client_left, json_response, routes
 from st_fastbackend.serve.schema import check_unicode
@@ -145,6 +145,8 @@ async def _score(
     _check(served, query, documents, field)
     try:
         ids = await pair_ids(served.tokenizer, reranker.pair_reader, query, documents, field, truncate)
+        if (tokens := sum(map(len, ids))) > served.limits.max_request_tokens:
+            raise too_many_tokens(f"{tokens:,} tokens of pairs", served.limits.max_request_tokens)
         rows = await _unless_client_left(served.batcher, Job(token_ids=ids, prompt=None), request)
     except (ApiError, ShuttingDown) as error:
         if isinstance(error, ShuttingDown):

@@ -18,7 +18,7 @@ from st_fastbackend.embedder import Embedder
 from st_fastbackend.models.chunking import Chunking
 from st_fastbackend.serve import chunked
 from st_fastbackend.serve.batcher import LATE_CHUNKS, Batcher, Job, ShuttingDown
-from st_fastbackend.serve.errors import ApiError, server_error
+from st_fastbackend.serve.errors import ApiError, server_error, too_many_tokens
 from st_fastbackend.serve.limits import Limits
 from st_fastbackend.serve.metrics import Metrics
 from st_fastbackend.serve.schema import EmbeddingRequest, check_unicode, request_inputs
@@ -118,11 +118,15 @@ async def embed_inputs(
     try:
         if chunking is None:
             ids = await served.tokenizer(texts, token_ids, prompt, truncate, keep_end=keep_end)
-            if max_tokens is not None and (tokens := sum(map(len, ids))) > max_tokens:
+            tokens = sum(map(len, ids))
+            if max_tokens is not None and tokens > max_tokens:
                 message = f"{tokens} tokens in one request; the limit for {output} is {max_tokens}."
                 raise ApiError(413, message, code="request_too_large")
+            if tokens > limits.max_request_tokens:
+                raise too_many_tokens(f"{tokens:,} tokens", limits.max_request_tokens)
             return await _unless_client_left(served.batcher, Job(ids, prompt, output=output), request)
-        ids, found, within = await chunked.chunk_plan(served.tokenizer, texts, prompt, chunking)
+        ids, found, within = await chunked.chunk_plan(served.tokenizer, texts, prompt, chunking,
+                                                      limits.max_request_tokens)  # fmt: skip
         late = {"output": LATE_CHUNKS, "spans": within} if within is not None else {}
         rows = await _unless_client_left(served.batcher, Job(token_ids=ids, prompt=prompt, **late), request)
         if rows is None:
