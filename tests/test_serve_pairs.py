@@ -70,8 +70,8 @@ def test_pairs_read_as_far_as_the_cut_needs_are_encode_pairs(built, case):
     seen = []
     own_ids, encode_pairs = reader.texts.own_ids, reader.scoring.encode_pairs
     reader.texts.own_ids = lambda text, *a: seen.append(len(text)) or own_ids(text, *a)
-    reader.scoring.encode_pairs = lambda pairs, *a: seen.extend(len(t) for p in pairs for t in p) or encode_pairs(
-        pairs, *a
+    reader.scoring.encode_pairs = lambda pairs, *a: (
+        seen.extend(len(t) for p in pairs for t in p) or encode_pairs(pairs, *a)
     )
     texts = [words(rng, n) for n in (1, 3, 8, 18, 19, 20, 21, 30, 60, 400, 450)]
     refused = 0
@@ -95,8 +95,11 @@ def test_a_query_no_cut_is_found_for_is_refused_naming_the_bound(built):
     """The suite's BPE splits only at spaces: 1.99 million '!' are one word, which no prefix of the bound is known to
     tokenize as the whole does."""
     reader = PairReader(CrossEncoder(str(built("bert")), backend="fast", device=DEVICE)[0])
-    with pytest.raises(InputError, match=r"^The query \(1,990,000 characters\) cannot be cut at 512 tokens within its "
-                                         r"first 20,480 characters.*\(4 x max_length 512 x 10, the vocabulary's"):  # fmt: skip
+    expected = (
+        r"^The query \(1,990,000 characters\) cannot be cut at 512 tokens within its first 20,480 characters"
+        r".*\(4 x max_length 512 x 10, the vocabulary's"
+    )
+    with pytest.raises(InputError, match=expected):
         reader.read("!" * 1_990_000, "The query")
 
 
@@ -165,5 +168,7 @@ def test_256_documents_of_7500_characters_hold_up_no_one(wordpiece_server):
     assert_fair(alone, during)
     assert rss_bytes(process.pid) - before < 50 * 2**20
     scores = {result["index"]: result["relevance_score"] for result in response.json()["results"]}
-    expected = CrossEncoder(str(folder), backend="fast", device="cpu").predict([(body["query"], d) for d in documents[:8]])
+    expected = CrossEncoder(str(folder), backend="fast", device="cpu").predict(
+        [(body["query"], d) for d in documents[:8]]
+    )
     np.testing.assert_allclose([scores[i] for i in range(8)], expected, atol=1e-6, rtol=0)

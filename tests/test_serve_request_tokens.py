@@ -3,6 +3,7 @@
 it; a chunked text read a piece at a time on the server gives encode_chunks' chunks; and on a real server the trial's
 2M-character text with "chunking": {"tokens": 128} refused within seconds while a probe waits no longer than alone."""
 
+import argparse
 import random
 
 import httpx
@@ -12,6 +13,7 @@ from helpers import TOLERANCE, max_diff, minilm_path
 from serving import HEADERS, app_client, assert_fair, probed, rss_bytes, start_server
 
 from st_fastbackend import Chunking, SentenceTransformer
+from st_fastbackend.cli.serve import add_serve
 from st_fastbackend.serve import chunked, tokens
 from st_fastbackend.serve.limits import Limits
 
@@ -46,6 +48,14 @@ def test_the_default_bound_is_batch_size_times_input_tokens(folder):
         refused = post(client, {"input": [LONG * 2], "chunking": {"tokens": 32}})
         assert refused.status_code == 413 and "the limit is 256 (--max-request-tokens)" in refused.text
         assert post(client, {"input": [LONG[:150]], "chunking": {"tokens": 32}}).status_code == 200
+
+
+def test_the_option_and_its_default_are_in_the_help():
+    parser = argparse.ArgumentParser()
+    add_serve(parser)
+    help_text = " ".join(parser.format_help().split())
+    assert "--max-request-tokens MAX_REQUEST_TOKENS tokens of model work one request may hold" in help_text
+    assert "Default: --max-batch-size x --max-input-tokens" in help_text
 
 
 def test_a_text_read_in_many_pieces_gives_encode_chunks(folder, monkeypatch):
