@@ -97,6 +97,15 @@ def rss_bytes(pid: int) -> int:
         return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
 
 
+def rss_grown(pid: int, before: int, seconds: float = 10.0) -> int:
+    """Bytes the process's RSS holds over `before` once it is back within 50 MiB of it (the server hands memory
+    back after a burst), or after `seconds` if it is not."""
+    deadline = time.monotonic() + seconds
+    while (grown := rss_bytes(pid) - before) >= 50 * 2**20 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return grown
+
+
 @contextlib.contextmanager
 def busy_worker(url: str, inputs: list[str], headers: dict):
     """While the worker embeds `inputs` (one request): whatever is sent meanwhile queues up and is then
