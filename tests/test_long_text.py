@@ -89,12 +89,33 @@ def test_a_word_past_the_bound_is_named():
             reader.step()
 
 
-def test_a_tokenizer_whose_tokens_cross_words_reads_the_text_whole():
-    """Trained without a pre-tokenizer, a BPE learns tokens such as "w▁" that end past a word: the tokens before a
-    cut may then change with what follows it, so pieces are refused naming that, and the text is read whole."""
-    texts = _trained(LLAMA, None, "<s> $A", add_eos=True)
+def _roberta() -> TextTokenizer:
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL, initial_alphabet=alphabet)
+    tokenizer.train_from_iterator(make_texts(500, seed=2, max_words=30)[2:], trainer)
+    tokenizer.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 1), trim_offsets=True)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   model_max_length=100_000)  # fmt: skip
+    return TextTokenizer(fast, False, False)
+
+
+@pytest.mark.parametrize(
+    "name, why",
+    [
+        # Trained without a pre-tokenizer, a BPE learns tokens such as "w▁" that end past a word: the tokens before a
+        # cut may then change with what follows it
+        ("no pre-tokenizer, tokens across words", "tokens that run from a word into the whitespace after it"),
+        # RoBERTa's spans of " foo" begin at "f": a piece cannot be started where its word begins
+        ("RoBERTa, trim_offsets", "trims the whitespace off its tokens' spans"),
+    ],
+)
+def test_a_tokenizer_the_premise_fails_for_reads_the_text_whole(name, why):
+    """Pieces are refused naming why, and the text is read whole: document()'s tokens, never others."""
+    texts = _roberta() if "RoBERTa" in name else _trained(LLAMA, None, "<s> $A", add_eos=True)
     long = text(random.Random(5), " ".join(make_texts(80, seed=9)).split())
-    with pytest.raises(ValueError, match="cannot read a text a piece at a time: .* tokens that run from a word into"):
+    with pytest.raises(ValueError, match=f"cannot read a text a piece at a time: .*{why}"):
         DocumentReader(texts, long, None, piece_chars=60, max_word_chars=4000)
     reader = DocumentReader(texts, long, None, piece_chars=None, max_word_chars=4000)
     assert reader.step() == len(long) and reader.done

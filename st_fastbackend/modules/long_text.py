@@ -14,11 +14,13 @@ prompt and the special tokens, as document() tokenizes the whole, and gives the 
 That premise is checked once per tokenizer (`whole_reason`): a pre-tokenizer that splits at whitespace makes it hold
 by construction (the model runs on each word alone); without one, a BPE or Unigram model holds it where no token of
 its vocabulary runs from a word into the whitespace after it (Llama 2's: "▁" begins a token, never ends one). A
-tokenizer trained without a pre-tokenizer has such tokens ("w▁"): its texts are read whole, never a piece at a time.
+tokenizer trained without a pre-tokenizer has such tokens ("w▁"), and RoBERTa's and GPT-2's trim the whitespace off
+their tokens' spans, so that a span no longer tells where its word begins: their texts are read whole.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import weakref
 
@@ -33,11 +35,14 @@ def whole_reason(texts: TextTokenizer) -> str | None:
     """Why a text must be tokenized whole by this tokenizer (its words' tokens may depend on the words around
     them), or None where DocumentReader may read it a piece at a time. Decided once per tokenizer."""
     if texts not in _REASONS:
-        _REASONS[texts] = _whole_reason(texts.tokenizer.backend_tokenizer)
+        backend = getattr(texts.tokenizer, "backend_tokenizer", None)
+        _REASONS[texts] = _whole_reason(backend) if backend is not None else "it is not a Rust (fast) tokenizer"
     return _REASONS[texts]
 
 
 def _whole_reason(backend: Tokenizer) -> str | None:
+    if _trims_offsets(json.loads(backend.to_str()).get("post_processor")):
+        return "its post-processor trims the whitespace off its tokens' spans (trim_offsets), hiding where words begin"
     if backend.pre_tokenizer is not None and len(backend.pre_tokenizer.pre_tokenize_str("a b")) > 1:
         return None
     model = type(backend.model).__name__
@@ -57,6 +62,13 @@ def _whole_reason(backend: Tokenizer) -> str | None:
         return (f"no pre-tokenizer splits its words, and its vocabulary has tokens that run from a word into the "
                 f"whitespace after it ({crossing!r})")  # fmt: skip
     return None
+
+
+def _trims_offsets(post_processor: dict | list | None) -> bool:
+    """RoBERTa's and GPT-2's post-processors trim a token's span to its non-whitespace characters (" foo" -> "foo")."""
+    if isinstance(post_processor, dict):
+        return post_processor.get("trim_offsets") is True or any(map(_trims_offsets, post_processor.values()))
+    return isinstance(post_processor, list) and any(map(_trims_offsets, post_processor))
 
 
 class DocumentReader:
