@@ -16,9 +16,14 @@
 6. What a client may hold without a request (issue 37; bench_hardening_connections.py): a header flood,
    slowloris, idle connections, a server under an open-file limit of 1,024, a prompt per request, bodies
    json cannot read. Then the server's RSS at start and idle after the whole trial (10 s after the last part).
+7. What one request may cost on every route (issue 44; bench_hardening_requests.py): "chunking", one 2M-character
+   text with "chunking": {"tokens": 128}; "rerank", on a reranker server of its own, a 1.99M-character query
+   without whitespace with one document, and 256 documents of 7,500 characters with return_documents. Each with
+   its status and seconds, a probe's median and maximum alone and during, and the server's RSS before and after.
 
     python eval/bench_hardening.py                   # bundled all-MiniLM-L6-v2, 64 and 200 clients, 5% bad
     python eval/bench_hardening.py --parts attacks   # part 4 only
+    python eval/bench_hardening.py --parts chunking rerank --attack-scale 0.01   # part 7, a dry run in small
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import bench_hardening_connections
+import bench_hardening_requests
 import httpx
 import numpy as np
 from harness import data, options, report
@@ -42,7 +48,7 @@ from harness.measure import rss_mib
 from harness.serve import probe, start_server
 
 JSON_HEADER = {"Content-Type": "application/json"}
-PARTS = ("mixed", "oversized", "long_text", "attacks", "connections", "stalled")
+PARTS = ("mixed", "oversized", "long_text", "attacks", "connections", "stalled", "chunking", "rerank")
 BAD = ('{"input": "caf\\ud800 au lait"}', '{"input": "fine", "prompt": "query\\udfff: "}', '{"input": [true, false]}')
 
 
@@ -195,6 +201,7 @@ def main() -> None:
     parser.add_argument("--bad-fraction", type=float, default=0.05)
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[20, 200])
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS)
+    parser.add_argument("--attack-scale", type=float, default=1.0, help="sizes of part 7's requests times this")
     args = parser.parse_args()
     texts = data.sts_sentences(args.data_dir, columns=("sentence1",))
     expected = SentenceTransformer(args.model, backend="fast", device="cpu").encode(texts)
@@ -217,6 +224,10 @@ def main() -> None:
         if "attacks" in args.parts:
             result["attacks"] = attacks(url, process.pid, texts)
             print("\n".join(map(json.dumps, result["attacks"])), flush=True)
+        if "chunking" in args.parts:
+            row = bench_hardening_requests.chunking_attack(url, process.pid, texts, args.attack_scale)
+            result["chunking"] = row
+            print(json.dumps(row), flush=True)
         if "connections" in args.parts:
             result["connections"] = bench_hardening_connections.run(url, process.pid, args.model, texts)
             print(json.dumps(result["connections"], indent=1), flush=True)
@@ -226,6 +237,9 @@ def main() -> None:
     finally:
         process.terminate()
         process.wait(60)
+    if "rerank" in args.parts:
+        result["rerank"] = bench_hardening_requests.rerank_attacks(texts, args.attack_scale)
+        print("\n".join(map(json.dumps, result["rerank"])), flush=True)
     if "stalled" in args.parts:
         result["stalled"] = stalled(args.model)
         print(json.dumps(result["stalled"]), flush=True)

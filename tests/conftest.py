@@ -30,6 +30,15 @@ def pytest_configure(config):
         raise pytest.UsageError(f"--device {helpers.DEVICE}: PyTorch sees no GPU here.")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def digest_cache(tmp_path_factory):
+    """The corpus job's cache of file digests (corpus/identity.py) in the session's temporary folder, not the user's
+    (servers and CLIs started in a subprocess inherit it)."""
+    from st_fastbackend.corpus.identity import CACHE_ENV
+
+    os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("cache"))
+
+
 @pytest.fixture
 def standin(monkeypatch):
     """standin(name): the CPU made to look like a GPU with that CUDA kernel release (tests/kernel_standins.py)."""

@@ -3,10 +3,13 @@
 import contextlib
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 from helpers import DEVICE
@@ -94,6 +97,15 @@ def rss_bytes(pid: int) -> int:
         return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
 
 
+def rss_grown(pid: int, before: int, seconds: float = 10.0) -> int:
+    """Bytes the process's RSS holds over `before` once it is back within 50 MiB of it (the server hands memory
+    back after a burst), or after `seconds` if it is not."""
+    deadline = time.monotonic() + seconds
+    while (grown := rss_bytes(pid) - before) >= 50 * 2**20 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return grown
+
+
 @contextlib.contextmanager
 def busy_worker(url: str, inputs: list[str], headers: dict):
     """While the worker embeds `inputs` (one request): whatever is sent meanwhile queues up and is then
@@ -112,3 +124,32 @@ def busy_worker(url: str, inputs: list[str], headers: dict):
     yield
     thread.join(300)
     assert result["response"].status_code == 200
+
+
+def probed(send: Callable[[], httpx.Response], probe: Callable[[], httpx.Response], probes: int = 6):
+    """(the response to send(), its seconds, a probe's seconds alone, its seconds while send() is answered): `probes`
+    probes alone, one after another, then from 0.3 s after send() until it is answered (one at least, `probes` at
+    most). In one run, so that the two are compared on the machine as it is."""
+    alone = [_timed(probe) for _ in range(probes)]
+    with ThreadPoolExecutor(1) as pool:
+        start = time.perf_counter()
+        sent = pool.submit(lambda: (send(), time.perf_counter() - start))
+        time.sleep(0.3)
+        during = [_timed(probe)]
+        while len(during) < probes and not sent.done():
+            during.append(_timed(probe))
+        response, seconds = sent.result()
+    return response, seconds, alone, during
+
+
+def assert_fair(alone: list[float], during: list[float]) -> None:
+    """The probe while a hostile request runs: its median within 1 s of its median alone, its maximum within 2 s."""
+    waited = statistics.median(during) - statistics.median(alone), max(during) - statistics.median(alone)
+    assert waited[0] < 1.0 and waited[1] < 2.0, f"probe alone {alone}, during {during}"
+
+
+def _timed(send: Callable[[], httpx.Response]) -> float:
+    start = time.perf_counter()
+    response = send()
+    assert response.status_code == 200, response.text
+    return time.perf_counter() - start

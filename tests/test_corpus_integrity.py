@@ -112,6 +112,58 @@ def test_a_resume_refuses_a_model_changed_in_place(folder, texts, tmp_path, caps
     assert sorted(read_output(tmp_path / "out")[0]) == list(range(20))
 
 
+def test_a_resume_refuses_weights_changed_only_inside_a_tensor(folder, texts, tmp_path, capsys):
+    """The trial: a few bytes changed in the middle of the largest tensor, past its first and last 4 KiB (all the old
+    identity read of it): exit 0 and rows of two models. Every byte of the weights counts now."""
+    model = shutil.copytree(folder, tmp_path / "model")
+    write_parquet(tmp_path / "in.parquet", list(range(20)), texts[1:21])
+    arguments = [tmp_path / "in.parquet", tmp_path / "out", "--model", model, "--shard-rows", 10]
+    embed_corpus(*arguments)
+    interrupt(tmp_path / "out")
+    weights = model / "model.safetensors"
+    original = weights.read_bytes()
+    header = 8 + int.from_bytes(original[:8], "little")
+    tensors = json.loads(original[8:header])
+    begin, end = max((entry["data_offsets"] for name, entry in tensors.items() if name != "__metadata__"),
+                     key=lambda offsets: offsets[1] - offsets[0])  # fmt: skip
+    assert end - begin > 3 * 4096
+    middle = header + (begin + end) // 2 // 4 * 4
+    changed = original[:middle] + (np.frombuffer(original[middle : middle + 16], np.float32) * 1.5).tobytes()
+    weights.write_bytes(changed + original[middle + 16 :])
+    assert "(the model's files changed)" in refused(capsys, *arguments)
+    weights.write_bytes(original)
+    embed_corpus(*arguments)
+    assert sorted(read_output(tmp_path / "out")[0]) == list(range(20))
+
+
+def test_a_large_files_digest_is_kept_until_any_byte_of_it_may_have_changed(folder, tmp_path, monkeypatch):
+    """A file's full sha256 is computed once and kept by its stat signature: a second identity reads it from the
+    cache; writing the same number of bytes in place with the old mtime put back (`touch -d`, `cp --preserve`) still
+    changes its ctime, and the digest is computed again. A file changed within RACY_SECONDS is not kept."""
+    from st_fastbackend.corpus import identity
+
+    monkeypatch.setattr(identity, "SMALL_FILE", 0)  # every file through the cache
+    monkeypatch.setenv(identity.CACHE_ENV, str(tmp_path / "cache"))
+    model = shutil.copytree(folder, tmp_path / "model")
+    first = identity.model_identity(str(model))
+    assert not (tmp_path / "cache" / identity.CACHE_FILE).exists()  # every file was just written: none kept
+    monkeypatch.setattr(identity, "RACY_SECONDS", -1.0)
+    assert identity.model_identity(str(model)) == first
+    cache = tmp_path / "cache" / identity.CACHE_FILE
+    entries = json.loads(cache.read_text())
+    weights = str((model / "model.safetensors").resolve())
+    assert entries[weights]["sha256"] == hashlib.sha256((model / "model.safetensors").read_bytes()).hexdigest()
+    entries[weights]["sha256"] = "00" * 32  # what the cache says is what the identity takes
+    cache.write_text(json.dumps(entries))
+    from_cache = identity.model_identity(str(model))
+    assert from_cache != first
+    stat = (model / "model.safetensors").stat()
+    (model / "model.safetensors").write_bytes((model / "model.safetensors").read_bytes())  # same bytes, in place
+    os.utime(model / "model.safetensors", ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert (model / "model.safetensors").stat().st_ino == stat.st_ino
+    assert identity.model_identity(str(model)) == first  # computed again: the ctime moved
+
+
 def test_a_resume_refuses_an_input_changed_anywhere(folder, texts, expected, tmp_path, capsys):
     """The trial: a JSON Lines file edited outside the 64 KiB fingerprinted at each end (same size) was accepted, and
     one row stayed stale. Every byte of the input counts now."""

@@ -131,10 +131,27 @@ def test_refused_clearly(tmp_path, built, pairs):
     (folder / "config.json").write_text(config.replace("BertForSequenceClassification", "BertForTokenClassification"))
     with pytest.raises(UnsupportedModelError, match='BertForTokenClassification.*backend="torch"'):
         CrossEncoder(str(folder), backend="fast", device=DEVICE)
-    _, fast = load_both(built("bert (pooler, token types)"))
-    with pytest.raises(UnsupportedModelError, match="Input 1"):
-        fast.predict([pairs[0], ("only one",)])
-    assert fast.predict([]).shape == (0,)
+    assert CrossEncoder(str(built("bert (pooler, token types)")), backend="fast").predict([]).shape == (0,)
+
+
+@pytest.mark.parametrize(
+    "bad, error, says",
+    [
+        (("a", None), TypeError, "Input 1: its second element is None, not a text"),
+        ((3.5, "b"), TypeError, "Input 1: its first element is float '3.5', not a text"),
+        (5, TypeError, "Input 1 is int '5'; CrossEncoder scores pairs of two texts"),
+        (("only one",), ValueError, "Input 1 is a tuple of length 1; CrossEncoder scores pairs of two texts"),
+        (("a", "b", "c"), ValueError, "Input 1 is a tuple of length 3"),
+        (("a", "b\ud800"), ValueError, r"Input 1 holds a lone surrogate \(U\+D800\), which is not Unicode text"),
+    ],
+    ids=["None", "a number", "not a pair", "one text", "three texts", "a lone surrogate"],
+)
+def test_bad_input_is_a_type_or_value_error_about_it(built, pairs, bad, error, says):
+    """Not the fast backend's limit (plain refuses these too): no UnsupportedModelError sending the user to it."""
+    fast = CrossEncoder(str(built("bert (pooler, token types)")), backend="fast", device=DEVICE)
+    with pytest.raises(error, match=f"^{says}") as raised:
+        fast.predict([pairs[0], bad])
+    assert type(raised.value) is error
 
 
 def test_a_folder_saved_by_plain_sentence_transformers(tmp_path, built, pairs):

@@ -67,6 +67,20 @@ def test_tei_rerank_shape_raw_scores(client, plain):
     assert all(r["text"] == DOCUMENTS[r["index"]] for r in results)
 
 
+def error_message(path: str, reply) -> str:
+    """The message of an error in the shape of the path's dialect: TEI's {"error", "error_type"}, Cohere's
+    {"id", "message"}, else OpenAI's."""
+    body = reply.json()
+    if path in ("/rerank", "/embed", "/embed_all", "/"):
+        assert set(body) == {"error", "error_type"}, body
+        return body["error"]
+    if path == "/v2/embed":
+        assert set(body) == {"id", "message"}, body
+        return body["message"]
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]["message"]
+
+
 @pytest.mark.parametrize(
     "path, body, status, fragment",
     [
@@ -76,15 +90,27 @@ def test_tei_rerank_shape_raw_scores(client, plain):
         ("/v1/rerank", {"query": 3, "documents": ["a"]}, 400, "query"),
         ("/v1/rerank", {"query": QUERY, "documents": ["a"], "model": "other"}, 404, "other"),
         ("/v1/rerank", {"query": QUERY, "documents": ["a"] * 65}, 400, "limit is 64"),
-        ("/rerank", {"query": QUERY, "texts": [1]}, 400, "texts"),
+        ("/v1/rerank", '{"query": "a\\ud800", "documents": ["a"]}', 400, "The query holds a lone surrogate (U+D800)"),
+        ("/rerank", {"query": QUERY}, 422, "texts"),
+        ("/rerank", {"query": QUERY, "texts": [1]}, 422, "texts"),
+        ("/rerank", {"query": QUERY, "texts": []}, 400, "texts is empty"),
+        ("/rerank", {"query": QUERY, "texts": ["a"] * 65}, 413, "limit is 64"),
+        ("/rerank", '{"query": "q", "texts": ["a", "b\\udc00"]}', 422, "texts[1] holds a lone surrogate (U+DC00)"),
         ("/rerank", {"query": QUERY, "texts": [" ".join(DOCUMENTS)], "truncate": False}, 413, "texts[0]"),
+        ("/rerank", "{not json", 400, "not valid JSON"),
         ("/v1/embeddings", {"input": "a"}, 404, "Invalid URL"),
+        ("/embed", {"inputs": "a"}, 404, "Invalid URL"),  # a route this model is not served on: its dialect's 404
+        ("/v2/embed", {"texts": ["a"]}, 404, "Invalid URL"),
     ],
 )
-def test_bad_requests_name_the_field(client, path, body, status, fragment):
-    reply = client.post(path, json=body, headers=HEADERS)
+def test_bad_requests_name_the_field_in_the_dialects_shape(client, path, body, status, fragment):
+    """The trial: TEI's /rerank answered all 7 bad bodies in OpenAI's shape, and /embed its 404 too."""
+    sent = {"content": body} if isinstance(body, str) else {"json": body}
+    reply = client.post(path, **sent, headers={**HEADERS, "Content-Type": "application/json"})
     assert reply.status_code == status, reply.text
-    assert fragment in reply.json()["error"]["message"]
+    assert fragment in error_message(path, reply)
+    unauthorized = client.post(path, **sent, headers={"Content-Type": "application/json"})
+    assert unauthorized.status_code == 401 and error_message(path, unauthorized)
 
 
 def test_auth_metrics_and_concurrent_clients(client, plain):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import DEVICE, TOLERANCE, load_both, max_diff
 
-from st_fastbackend import SentenceTransformer
+from st_fastbackend import Chunking, SentenceTransformer
 
 PROMPTS = {"query": "query: ", "document": "passage: ", "sts": "Instruct: similar text\nQuery: "}
 
@@ -102,13 +102,27 @@ def test_max_seq_length_get_and_set(st_model, texts):
 
 
 @pytest.mark.parametrize(
-    "bad, says", [(None, "NoneType"), (3, "int"), (["a", "b"], "a list .a pair of texts"), ({"text": "a"}, "a dict")]
+    "bad, says", [(None, "None"), (3, "int '3'"), (["a", "b"], "a list .a pair of texts"), ({"text": "a"}, "a dict")]
 )
 def test_non_string_input_is_a_clear_error(models, bad, says):
     """Plain sentence-transformers takes pairs and dicts; the fast backend says it does not, by index."""
     _, fast = models
     with pytest.raises(TypeError, match=f"input 1 is {says}.*backend=.torch. accepts them"):
         fast.encode(["fine", bad])
+
+
+def test_a_lone_surrogate_is_named_with_its_input(models):
+    """The tokenizer's TypeError ("TextEncodeInput must be Union[...]") names neither input nor character: a
+    ValueError says both, as the server does; the index is the caller's past the first tokenizing chunk (4,096)."""
+    _, fast = models
+    with pytest.raises(ValueError, match=r"^Input 2 holds a lone surrogate \(U\+DC00\), which is not Unicode text"):
+        fast.encode(["fine", "also fine", "broken \udc00 text"])
+    with pytest.raises(ValueError, match=r"^The prompt holds a lone surrogate \(U\+D800\)"):
+        fast.encode(["fine"], prompt="query\ud800: ")
+    with pytest.raises(ValueError, match=r"^Input 1 holds a lone surrogate \(U\+D83D\)"):
+        fast.encode(["fine", "an emoji cut in half \ud83d"], chunking=Chunking(tokens=8))
+    with pytest.raises(ValueError, match=r"^Input 4097 holds a lone surrogate"):
+        fast.encode(["a"] * 4097 + ["\ud800"], batch_size=4096)
 
 
 def test_multi_process_pool_names_the_callers_index(models):

@@ -1,6 +1,7 @@
 """Checkpoints in every layout we accept, saving, and clear errors for what we do not support."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -84,6 +85,15 @@ def test_unsupported_config_is_a_clear_error(tmp_path, changes, named):
     with pytest.raises(UnsupportedModelError, match=named) as error:
         SentenceTransformer(str(folder), backend="fast", device="cpu")
     assert 'backend="torch"' in str(error.value)
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "modules.json", "tokenizer_config.json", "1_Pooling/config.json"])
+def test_a_corrupt_json_file_is_named_with_its_folder(st_model, tmp_path, name):
+    """json.loads' error names a position only (the trial: a bare JSONDecodeError)."""
+    folder = shutil.copytree(st_model("bert", pooling_mode="mean"), tmp_path / "model")
+    (folder / name).write_text('{"truncated": ')
+    with pytest.raises(ValueError, match=f"^{name} in the model folder {folder} is not valid JSON .Expecting value"):
+        SentenceTransformer(str(folder), backend="fast", device="cpu")
 
 
 def test_checkpoint_errors_name_the_tensor(tmp_path):

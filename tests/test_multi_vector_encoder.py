@@ -158,3 +158,19 @@ def test_an_expansion_token_outside_the_vocabulary_is_refused(tmp_path):
     (folder / "sentence_bert_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="isn't in this tokenizer's vocabulary"):
         MultiVectorEncoder(str(folder), backend="fast", device=DEVICE)
+
+
+def test_bad_lengths_and_lone_surrogates_are_named(tmp_path):
+    """query_length=-1 reached the Rust tokenizer as an OverflowError (plain's too); a lone surrogate as its
+    TypeError. Each is a ValueError naming the argument, or the input and the code point."""
+    folder = build_colbert(tmp_path, "bert", query_length=40, document_length=60)
+    fast = MultiVectorEncoder(str(folder), backend="fast", device=DEVICE)
+    with pytest.raises(ValueError, match=r"^Input 1 holds a lone surrogate \(U\+DFFF\)"):
+        fast.encode_document(["fine", "bad \udfff"])
+    fast[0].query_length = -1
+    with pytest.raises(ValueError, match="^query_length must be a positive number of tokens or None, got -1"):
+        fast.encode_query(["a query"])
+    config = folder / "sentence_bert_config.json"
+    config.write_text(config.read_text().replace('"document_length": 60', '"document_length": 0'))
+    with pytest.raises(ValueError, match="^document_length must be a positive number of tokens or None, got 0"):
+        MultiVectorEncoder(str(folder), backend="fast", device=DEVICE)

@@ -95,6 +95,8 @@ def test_models_health_and_metrics(server, client):
         ({"input": "hello", "model": "other"}, 404, "does not exist"),
         ({"input": "hello", "dimensions": 100000}, 400, "exceeds"),
         ({"input": "hello", "prompt_name": "nope"}, 400, "nope"),
+        ({"input": [[5, 6]], "prompt_name": "query"}, 400, "not to token ids"),  # issue 44 item 7
+        ({"input": [[5, 6]], "prompt": ""}, 400, "not to token ids"),  # an empty prompt was let through
     ],
     ids=str,
 )

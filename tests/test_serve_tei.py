@@ -160,6 +160,9 @@ def test_info_says_what_runs(client, model):
         ("/embed", {"inputs": "a", "dimensions": 10**5}, 422, "Validation", "exceeds"),
         ("/embed", {"inputs": "a", "truncation_direction": "Middle"}, 422, "Validation", "truncation_direction"),
         ("/embed", {"inputs": [[1, 10**9]]}, 422, "Validation", "outside the vocabulary"),
+        # token ids with a prompt (issue 44 item 7: the README says refused; /embed took them; TEI has no `prompt`)
+        ("/embed", {"inputs": [[5, 6]], "prompt_name": "query"}, 422, "Validation", "not to token ids"),
+        ("/embed_all", {"inputs": [[5, 6]], "prompt_name": "query"}, 422, "Validation", "not to token ids"),
         ("/embed_all", {"inputs": [LONG]}, 422, "Validation", "more than 256 tokens"),
         ("/tokenize", {"inputs": []}, 400, "Empty", "inputs is empty"),
         ("/tokenize", {"inputs": ["a"] * 65}, 413, "Validation", "65 inputs"),

@@ -35,6 +35,10 @@ def add_serve(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes, help="413 past this")
     serve.add_argument("--max-request-chars", type=int, default=Limits.max_request_chars,
                        help="characters of all inputs of one request together; 413 past this")  # fmt: skip
+    serve.add_argument("--max-request-tokens", type=positive, default=None,
+                       help="tokens of model work one request may hold (its inputs, chunks, late-chunking windows or "
+                            "rerank pairs together); 413 past this. Default: --max-batch-size x --max-input-tokens, "
+                            "the most a request without chunking holds")  # fmt: skip
     serve.add_argument("--body-timeout", type=float, default=Limits.body_timeout,
                        help="seconds for a request body to arrive; 408 past this")  # fmt: skip
     serve.add_argument("--max-pack-seconds", type=float, default=0.25,
@@ -86,7 +90,7 @@ def serve(args: argparse.Namespace) -> None:
         max_input_tokens=max_input_tokens,
         api_key=args.api_key,
         dynamic_batching=not args.no_dynamic_batching,
-        limits=Limits(args.max_body_bytes, args.max_request_chars, args.body_timeout),
+        limits=Limits(args.max_body_bytes, args.max_request_chars, args.body_timeout, args.max_request_tokens),
         public_metrics=args.public_metrics,
         pack_seconds=args.max_pack_seconds,
     )
@@ -126,7 +130,7 @@ def run_server(app, args: argparse.Namespace) -> None:
     (logger.warning if cap < args.max_connections else logger.info)(fitted)
     limits = ConnectionLimits(cap, args.max_header_bytes, args.max_headers, args.header_timeout,
                               args.keep_alive_timeout)  # fmt: skip
-    connections = Connections(limits, app.state.metrics)
+    connections = Connections(limits, app.state.metrics, app.state.fail.shape_for)
     # uvicorn's own keep-alive timer restarts on any byte; the guard's fires first, uvicorn's is a backstop.
     # limit_concurrency: a 503 once that many requests are in flight, counting those whose client has left
     # (the guard keeps connections at `cap`, below it).

@@ -1,70 +1,106 @@
 """What the corpus job's rows depend on in the model folder, read before the model loads: an identity of its files
 (a resume into a folder whose shards came from other weights or another configuration is refused), and the width
-of its embeddings (for the free-space check)."""
+of its embeddings (for the free-space check).
+
+The identity covers every byte of every file. A large file's sha256 is computed once and kept in a cache under the
+user's cache folder (CACHE_ENV, else $XDG_CACHE_HOME/st_fastbackend, else ~/.cache/st_fastbackend), keyed by the file's
+real path and its stat signature: device, inode, size, mtime and ctime, in nanoseconds. That is sound because no
+change to a file's bytes keeps all of these: writing to it in place sets its ctime to the time of the write (which,
+unlike the mtime, no program can set back: `touch -d`, `cp --preserve` and `rsync -t` restore only the mtime), and
+replacing it (a new file renamed over it) gives another inode. Two traps are closed besides: a digest is kept only
+for a file whose signature is the same after the hash as before (not being written meanwhile) and whose last change
+is RACY_SECONDS old (a write later within the same timestamp tick would leave the signature as it was). The cache
+is an optimisation only: one that is missing, unreadable or unwritable costs a full read again, never a wrong
+identity. Beside the output folder it would serve only that folder's resumes; here every job on the same weights
+(and a later one reusing earlier outputs) reads them once."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import struct
+import logging
+import os
+import time
 from pathlib import Path
 
-from st_fastbackend.corpus import CorpusError
+logger = logging.getLogger(__name__)
 
-SMALL_FILE = 1 << 20  # configs, tokenizers, vocabularies: hashed whole
-TENSOR_SAMPLE = 4096  # bytes hashed at each end of every tensor
-FILE_SAMPLE = 1 << 16  # bytes hashed at each end of another large file (weights the fast backend does not read)
+SMALL_FILE = 1 << 20  # configs, tokenizers, vocabularies: hashed as they are read, not cached
+CACHE_ENV = "ST_FASTBACKEND_CACHE"
+CACHE_FILE = "file-sha256.json"
+RACY_SECONDS = 2.0  # coarser than any filesystem's timestamp tick (FAT's 2 s)
+BLOCK = 1 << 20
 
 
 def model_identity(model: str) -> str:
-    """A hash of every file of a local model folder but hidden ones and *.md: configuration, tokenizer and pooling
-    files whole, safetensors files by their header (names, dtypes, shapes, offsets) and both ends of every tensor.
-    The header alone would not tell a checkpoint retrained in place from the old one (same shapes, same size); the
-    ends of each tensor do, for a few kB a tensor instead of reading gigabytes. A Hub id is known by its name only."""
+    """A hash of every byte of every file of a local model folder but hidden ones and *.md, with their names and
+    sizes. A Hub id is known by its name only."""
     folder = Path(model).expanduser()
     if not folder.is_dir():
         return f"hub id {model}"
-    digest = hashlib.sha256()
+    digest, cache = hashlib.sha256(), DigestCache(cache_folder() / CACHE_FILE)
     for path in sorted(path for path in folder.rglob("*") if path.is_file() and _counts(path.relative_to(folder))):
         size = path.stat().st_size
         digest.update(f"{path.relative_to(folder).as_posix()}\0{size}\0".encode())
-        with open(path, "rb") as file:
-            if path.suffix == ".safetensors":
-                _hash_safetensors(file, size, digest, path)
-            elif size <= SMALL_FILE:
-                digest.update(file.read())
-            else:
-                _hash_range(file, 0, size, FILE_SAMPLE, digest)
+        digest.update(path.read_bytes() if size <= SMALL_FILE else cache.digest(path))
+    cache.save()
     return digest.hexdigest()[:32]
+
+
+def cache_folder() -> Path:
+    if found := os.environ.get(CACHE_ENV):
+        return Path(found).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "st_fastbackend"
 
 
 def _counts(relative: Path) -> bool:
     return not any(part.startswith(".") for part in relative.parts) and relative.suffix != ".md"
 
 
-def _hash_safetensors(file, size: int, digest, path: Path) -> None:
-    """The header (8 bytes of length, then JSON), then both ends of each tensor's bytes."""
-    try:
-        (length,) = struct.unpack("<Q", file.read(8))
-        header = file.read(length)
-        tensors = json.loads(header)
-        spans = sorted(tuple(entry["data_offsets"]) for name, entry in tensors.items() if name != "__metadata__")
-    except (struct.error, ValueError, TypeError, KeyError) as error:
-        raise CorpusError(f"model file {path} is not a safetensors file: {type(error).__name__}: {error}") from error
-    digest.update(header)
-    for begin, end in spans:
-        _hash_range(file, 8 + length + begin, min(8 + length + end, size), TENSOR_SAMPLE, digest)
+class DigestCache:
+    """Files' sha256 by real path, each with the stat signature it was computed for (see the module's docstring)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.changed = path, False
+        try:
+            found = json.loads(path.read_text())
+            self.entries: dict[str, dict] = found if isinstance(found, dict) else {}
+        except (OSError, ValueError):
+            self.entries = {}
+
+    def digest(self, path: Path) -> bytes:
+        """The file's sha256: the cache's where its signature is unchanged, else read whole (and kept)."""
+        real, before = str(path.resolve()), _signature(path)
+        entry = self.entries.get(real)
+        if isinstance(entry, dict) and entry.get("signature") == before and isinstance(entry.get("sha256"), str):
+            return bytes.fromhex(entry["sha256"])
+        started, found = time.time(), hashlib.sha256()
+        with open(path, "rb") as file:
+            while block := file.read(BLOCK):
+                found.update(block)
+        settled = started - max(before[3], before[4]) / 1e9 > RACY_SECONDS  # its last change, mtime or ctime
+        if settled and _signature(path) == before:
+            self.entries[real] = {"signature": before, "sha256": found.hexdigest()}
+            self.changed = True
+        return found.digest()
+
+    def save(self) -> None:
+        """Written whole under a temporary name, then renamed over the old one: a job reading it meanwhile sees either;
+        two jobs saving at once lose one's new entries, which are computed again."""
+        if not self.changed:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            partial = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+            partial.write_text(json.dumps(self.entries))
+            os.replace(partial, self.path)
+        except OSError as error:
+            logger.debug(f"The cache of file digests {self.path} was not written: {error}")
 
 
-def _hash_range(file, begin: int, end: int, sample: int, digest) -> None:
-    """The bytes [begin, end) whole when short, else `sample` bytes at each end."""
-    if end - begin <= 2 * sample:
-        file.seek(begin)
-        digest.update(file.read(end - begin))
-        return
-    for start in (begin, end - sample):
-        file.seek(start)
-        digest.update(file.read(sample))
+def _signature(path: Path) -> list[int]:
+    found = os.stat(path)
+    return [found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns, found.st_ctime_ns]
 
 
 def output_width(model: str) -> int | None:

@@ -20,6 +20,7 @@ from torch import Tensor
 from st_fastbackend.engine.batch import PackedBatch, host_to_device
 from st_fastbackend.models.chunking import Chunking, Window, char_spans, chunk_size, cut, windows
 from st_fastbackend.models.host_rows import HostRows
+from st_fastbackend.modules.inputs import naming_lone_surrogates
 from st_fastbackend.modules.tokenizer import NoTokensError
 
 SPAN_POOLING = ("mean", "max", "mean_sqrt_len_tokens")  # the modes that pool a span of tokens as they pool a text
@@ -33,7 +34,8 @@ def chunk_vectors(model, inputs: list[str], chunking: Chunking, prompt: str | No
     texts = model[0].texts
     if prompt:  # measured (and cached) now: the tokenizer must not run in two threads at once
         texts.prompt_length(prompt)
-    documents = [texts.document(text, prompt) for text in inputs]
+    with naming_lone_surrogates(inputs, prompt=prompt):
+        documents = [texts.document(text, prompt) for text in inputs]
     for index, document in enumerate(documents):
         if not (document.head or document.ids or document.tail):
             raise NoTokensError(index, inputs[index])

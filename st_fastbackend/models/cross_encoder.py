@@ -22,7 +22,8 @@ from st_fastbackend.engine.spec import UnsupportedModelError
 from st_fastbackend.models.fast import FastModel, default_module_kwargs
 from st_fastbackend.models.host_rows import HostRows
 from st_fastbackend.modules.files import architectures
-from st_fastbackend.modules.scoring import PackedLogitScore, PackedScoringTransformer, check_pairs
+from st_fastbackend.modules.inputs import check_pairs
+from st_fastbackend.modules.scoring import PackedLogitScore, PackedScoringTransformer
 
 
 class CrossEncoder(FastModel, sentence_transformers.CrossEncoder):

@@ -26,6 +26,7 @@ from st_fastbackend.engine.prefix import Prefix
 from st_fastbackend.engine.schedule import Schedule, default_max_tokens
 from st_fastbackend.engine.spec import UnsupportedModelError
 from st_fastbackend.modules import PackedTransformer, check_texts
+from st_fastbackend.modules.files import unreadable_json
 from st_fastbackend.modules.tokenizer import TextTokenizer
 
 TOKENIZE_CHUNK = 4096  # inputs tokenized together (while the previous chunk runs) and sorted by length
@@ -52,7 +53,13 @@ class FastModel:
             kwargs = _load_on_device(kwargs)
             # module_classes, which sentence-transformers reads for every modules.json type (a Router's too)
             self._module_classes = _FastClasses(self.fast_modules)
-        super().__init__(*args, backend=backend, **kwargs)
+        try:
+            super().__init__(*args, backend=backend, **kwargs)
+        except json.JSONDecodeError as error:  # says where in a document, not which file
+            named = unreadable_json(str(args[0] if args else kwargs.get("model_name_or_path")))
+            if backend != "fast" or named is None:
+                raise
+            raise named from error
         if backend == "fast":
             self._check_fast_pipeline(list(self._modules.values()))
             self.loaded_with = (args, asked)  # what check() loads plain sentence-transformers with

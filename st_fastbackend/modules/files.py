@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 ENGINE_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
@@ -34,3 +35,21 @@ def architectures(model_name_or_path: str, config_kwargs: dict) -> list[str]:
 
     folder = resolve_folder(model_name_or_path, **config_kwargs)
     return AutoConfig.from_pretrained(folder, **without_hub_kwargs(config_kwargs)).architectures or []
+
+
+def unreadable_json(model_name_or_path: str) -> ValueError | None:
+    """For a JSONDecodeError met while loading (it names a position, not a file): an error naming the file and the
+    folder, the first JSON file of a local model folder (its module folders' too) that does not parse. None for a
+    Hub id, or where every file parses (the document was not one of them)."""
+    folder = Path(model_name_or_path).expanduser()
+    if not folder.is_dir():
+        return None
+    for path in sorted(folder.rglob("*.json")):
+        if any(part.startswith(".") for part in path.relative_to(folder).parts):
+            continue
+        try:
+            json.loads(path.read_bytes())
+        except ValueError as found:  # JSONDecodeError, or UnicodeDecodeError for bytes that are not text
+            return ValueError(f"{path.relative_to(folder)} in the model folder {folder} is not valid JSON ({found}): "
+                              "copy that file from the model's source again.")  # fmt: skip
+    return None

@@ -34,6 +34,7 @@ class PackedMultiVectorTransformer(PackedTransformer):
     ) -> None:  # fmt: skip
         super().__init__(model_name_or_path, **kwargs)
         self.query_length, self.document_length = query_length, document_length
+        self._check_lengths()
         self.query_expansion = _normalize_query_expansion(query_expansion)
         unattended = self.query_expansion is not None and not self.query_expansion["attend"]
         if unattended and not isinstance(self.model, (Encoder, ModernBert)):
@@ -63,6 +64,7 @@ class PackedMultiVectorTransformer(PackedTransformer):
     def encode_task(self, texts: list[str], prompt: str | None, task: str | None, first_index: int) -> list[list[int]]:
         """Token ids as sentence-transformers' preprocess makes them for `task`: the task's length, and a query's
         expansion tokens up to the expansion length."""
+        self._check_lengths()  # attributes a caller may have set since
         expansion = self.query_expansion if task == "query" else None
         length = {"query": self.query_length, "document": self.document_length}.get(task)
         if expansion is not None:
@@ -72,6 +74,13 @@ class PackedMultiVectorTransformer(PackedTransformer):
         if expansion is None or self.expansion_id is None:
             return sequences
         return [Expanded(ids, self.expansion_id, expansion) for ids in sequences]
+
+    def _check_lengths(self) -> None:
+        """A negative length reaches the Rust tokenizer as an OverflowError naming nothing (plain's too)."""
+        for name in ("query_length", "document_length"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive number of tokens or None, got {value!r}.")
 
     def pack(self, sequences: list[list[int]], prompt: str | None = None, prefix=None) -> dict:
         features = super().pack(sequences, prompt, prefix)

@@ -10,6 +10,8 @@ Stands in for sentence-transformers' Transformer with transformer_task "sequence
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,11 +27,39 @@ from st_fastbackend.engine.prefix import Prefix
 from st_fastbackend.engine.spec import UnsupportedModelError
 from st_fastbackend.engine.weights import CheckpointError, checkpoint_files, load_weights
 from st_fastbackend.modules.heads import build_head, last_tokens
+from st_fastbackend.modules.inputs import naming_lone_surrogates
 from st_fastbackend.modules.options import task_config
 from st_fastbackend.modules.transformer import PackedTransformer
 
 TASKS = ("sequence-classification", "text-generation")
 MIN_SHARED = 8  # shared tokens worth a pass of their own
+
+
+@dataclass(frozen=True)
+class PairTemplate:
+    """What the tokenizer puts around a pair's two texts: special tokens before, between and after them, and where it
+    gives token types, those of each part (before, the first text's, between, the second text's, after)."""
+
+    before: list[int]
+    between: list[int]
+    after: list[int]
+    types: tuple[list[int], int, list[int], int, list[int]] | None
+
+
+def longest_first(first: int, second: int, budget: int, first_longer: bool) -> tuple[int, int]:
+    """The own tokens of each text a pair keeps under truncation="longest_first" at `budget` (max_length less the
+    template's special tokens), as the Rust tokenizers cut it (tokenizers' utils/truncation.rs): a text under half
+    the budget is kept whole and the other gets the rest, else each gets half and the longer the odd token. A count
+    may be any number over `budget` where that is all that is known of it; `first_longer` (first > second) says
+    which is longer where both are."""
+    if first + second <= budget:
+        return first, second
+    short, long = (second, first) if first_longer else (first, second)
+    long = short if short > budget else max(short, budget - short)
+    if short + long > budget:
+        short, long = budget // 2, budget // 2 + budget % 2
+    kept = (long, short) if first_longer else (short, long)
+    return min(first, kept[0]), min(second, kept[1])
 
 
 class TypedIds(list):
@@ -103,7 +133,8 @@ class PackedScoringTransformer(PackedTransformer):
         if self.pair_formatter is not None:
             return self._rendered_pairs(pairs, prompt, first_index)
         texts = [[prompt + first, second] if prompt else [first, second] for first, second in pairs]
-        out = self.tokenizer(texts, truncation="longest_first", padding=False, verbose=False)
+        with naming_lone_surrogates(pairs, first_index, prompt):
+            out = self.tokenizer(texts, truncation="longest_first", padding=False, verbose=False)
         sequences = []
         for index, ids in enumerate(out["input_ids"]):
             if not ids:
@@ -113,6 +144,35 @@ class PackedScoringTransformer(PackedTransformer):
                 sequence.token_types = out["token_type_ids"][index]
             sequences.append(sequence)
         return sequences
+
+    @property
+    def pair_budget(self) -> int:
+        """The texts' own tokens a pair holds at most: max_length less the special tokens the template adds."""
+        return self.tokenizer.model_max_length - self.tokenizer.num_special_tokens_to_add(pair=True)
+
+    def join_pair(self, first: list[int], second: list[int]) -> list[int]:
+        """A pair's token ids from its two texts' own ids, already cut (longest_first): what encode_pairs gives for
+        them, the template's special tokens placed around them (without a chat template)."""
+        template = self._pair_template
+        sequence = TypedIds(template.before + first + template.between + second + template.after)
+        if template.types is not None:
+            before, one, between, two, after = template.types
+            sequence.token_types = before + [one] * len(first) + between + [two] * len(second) + after
+        return sequence
+
+    @functools.cached_property
+    def _pair_template(self) -> PairTemplate:
+        """Read from a pair of two one-token texts, as the tokenizer's post-processor lays out every pair."""
+        probe = self.tokenizer([["a", "b"]], truncation=False, verbose=False)
+        ids, parts = probe["input_ids"][0], probe.sequence_ids(0)
+        first, second = parts.index(0), parts.index(1)  # each text's first token; one token each
+        if parts.count(0) != 1 or parts.count(1) != 1:
+            raise UnsupportedModelError(f"A tokenizer whose pair template splits 'a' or 'b' ({parts})")
+        types = None
+        if self.token_types and "token_type_ids" in probe:
+            every = probe["token_type_ids"][0]
+            types = (every[:first], every[first], every[first + 1 : second], every[second], every[second + 1 :])
+        return PairTemplate(ids[:first], ids[first + 1 : second], ids[second + 1 :], types)
 
     def pair_lengths(self, pairs: list, prompt: str | None = None) -> list[int]:
         """Each pair's token count before truncation (through the chat template where the tokenizer has one)."""
@@ -126,7 +186,8 @@ class PackedScoringTransformer(PackedTransformer):
     def _rendered_pairs(self, pairs: list, prompt: str | None, first_index: int) -> list[list[int]]:
         """Token ids of each pair through the chat template, as sentence-transformers' preprocess makes them (its
         padded batch, unpadded by its attention mask)."""
-        features = self.pair_formatter.preprocess([list(pair) for pair in pairs], prompt=prompt)
+        with naming_lone_surrogates(pairs, first_index, prompt):
+            features = self.pair_formatter.preprocess([list(pair) for pair in pairs], prompt=prompt)
         sequences = [ids[mask.bool()].tolist() for ids, mask in zip(features["input_ids"], features["attention_mask"],
                                                                      strict=True)]  # fmt: skip
         for index, ids in enumerate(sequences):
@@ -185,13 +246,3 @@ class PackedLogitScore(LogitScore):
         scores = rows[:, 0] if self.false_token_id is None else rows[:, 0] - rows[:, 1]
         features["scores"] = scores.unsqueeze(1)
         return features
-
-
-def check_pairs(inputs: list) -> list[tuple[str, str]]:
-    """Every input a pair of two texts; anything else named by the caller's index."""
-    for index, pair in enumerate(inputs):
-        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
-            raise UnsupportedModelError(
-                f"Input {index} ({str(pair)[:80]}): the fast backend scores pairs of two texts only"
-            )
-    return inputs

@@ -24,6 +24,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from st_fastbackend.modules.inputs import naming_lone_surrogates
+
 logger = logging.getLogger(__name__)
 
 _WHITESPACE = re.compile(r"\s")
@@ -85,17 +87,6 @@ def last_word_start(tokenizer: PreTrainedTokenizerBase, text: str) -> int:
         return 0
     first = words.index(words[-1])  # the first token of the last word
     return encoded["offset_mapping"][first][0]
-
-
-def check_texts(inputs: list) -> None:
-    for index, text in enumerate(inputs):
-        if not isinstance(text, str):
-            kinds = {dict: "a dict (multimodal input)", list: "a list (a pair of texts?)", tuple: "a tuple (a pair?)"}
-            kind = kinds.get(type(text), type(text).__name__)
-            raise TypeError(
-                f"The fast backend embeds plain strings; input {index} is {kind}. "
-                'Text pairs and dict inputs are not supported by it; backend="torch" accepts them.'
-            )
 
 
 # The files one of transformers' tokenizers is built from: a tokenizer.json, or a vocabulary of its own.
@@ -179,11 +170,13 @@ class DocumentTokens:
 
 @dataclass(frozen=True)
 class WholeTokens:
-    """A text's tokens: ids, which are special (1), and each one's (start, end) characters ((0, 0) for one added)."""
+    """A text's tokens: ids, which are special (1), each one's (start, end) characters ((0, 0) for one added), and
+    the tokenizer's word each belongs to (None for a special token)."""
 
     ids: list[int]
     special: list[int]
     offsets: list[tuple[int, int]]
+    words: list[int | None]
 
 
 # The prompts' tokens kept, least recently used dropped first: a server sees any number of distinct prompts.
@@ -219,7 +212,8 @@ class TextTokenizer:
     ) -> list[list[int]]:
         """Token ids of prompt + text for each text; an input without any token is an error naming it
         (as `first_index` + its position, the caller's numbering)."""
-        sequences = self._token_ids([prompt + text for text in texts] if prompt else texts, max_length)
+        with naming_lone_surrogates(texts, first_index, prompt):
+            sequences = self._token_ids([prompt + text for text in texts] if prompt else texts, max_length)
         for index, ids in enumerate(sequences):
             if not ids:
                 raise NoTokensError(first_index + index, texts[index])
@@ -228,6 +222,18 @@ class TextTokenizer:
     def count(self, text: str, prompt: str | None, max_length: int) -> int:
         """Tokens of prompt + text, counted up to `max_length`."""
         return len(self._token_ids([prompt + text if prompt else text], max_length)[0])
+
+    def own_ids(self, text: str, max_length: int | None = None) -> list[int]:
+        """The text's own token ids, without special tokens (what a pair holds of it), its first `max_length`."""
+        cut = {"truncation": True, "max_length": max_length} if max_length is not None else {"truncation": False}
+        with self.lock:
+            return self.tokenizer(text, add_special_tokens=False, verbose=False, return_attention_mask=False,
+                                  return_token_type_ids=False, **cut)["input_ids"]  # fmt: skip
+
+    def word_start(self, text: str) -> int:
+        """Where the tokenizer's last word of `text` begins (last_word_start), under the lock."""
+        with self.lock:
+            return last_word_start(self.tokenizer, text)
 
     def prompt_length(self, prompt: str) -> int:
         return len(self.prompt_ids(prompt))
@@ -240,7 +246,8 @@ class TextTokenizer:
             if (kept := self._prompts.get(prompt)) is not None:
                 self._prompts.move_to_end(prompt)
                 return kept
-        ids = self._token_ids([prompt], None)[0]
+        with naming_lone_surrogates([], prompt=prompt):
+            ids = self._token_ids([prompt], None)[0]
         trailing_special = bool(ids) and ids[-1] in self.tokenizer.all_special_ids
         kept = tuple(ids[: len(ids) - trailing_special])
         with self._prompts_lock:
@@ -257,8 +264,10 @@ class TextTokenizer:
     def document(self, text: str, prompt: str | None = None) -> DocumentTokens:
         """prompt + text tokenized whole, without truncation, split into what every chunk of it repeats (special
         tokens and the prompt) and the text's own tokens with their character spans in `text` (chunking)."""
-        full = prompt + text if prompt else text
-        whole = self.whole(full)
+        return self.split(self.whole(prompt + text if prompt else text), text, prompt)
+
+    def split(self, whole: WholeTokens, text: str, prompt: str | None) -> DocumentTokens:
+        """The tokens of prompt + text (`whole`) as document() gives them: head, the text's own, tail."""
         ids, special = whole.ids, whole.special
         end = len(ids)
         while end and special[end - 1]:
@@ -269,7 +278,7 @@ class TextTokenizer:
             if tuple(ids[:start]) != self.prompt_ids(prompt):  # the prompt's last token merged with the text's
                 raise ValueError(f"The prompt {prompt[:80]!r} does not tokenize apart from the text {text[:80]!r}: "
                                  "its chunks cannot each begin with the prompt's own tokens.")  # fmt: skip
-        shift = len(full) - len(text)
+        shift = len(prompt or "")
         spans = [(max(0, a - shift), max(0, b - shift)) for a, b in whole.offsets[start:end]]
         return DocumentTokens(ids[:start], ids[start:end], ids[end:], spans)
 
@@ -286,6 +295,7 @@ class TextTokenizer:
             bos + encoded["input_ids"] + eos,
             [1] * len(bos) + encoded["special_tokens_mask"] + [1] * len(eos),
             [(0, 0)] * len(bos) + encoded["offset_mapping"] + [(0, 0)] * len(eos),
+            [None] * len(bos) + encoded.word_ids() + [None] * len(eos),
         )
 
     def _token_ids(self, texts: list[str], max_length: int | None) -> list[list[int]]:

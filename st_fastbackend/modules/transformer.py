@@ -27,10 +27,10 @@ from st_fastbackend.engine.runtime import Kernel, Runtime, choose_runtime, resol
 from st_fastbackend.engine.spec import UnsupportedModelError
 from st_fastbackend.engine.weights import INDEX_FILE, checkpoint_files, load_weights, stored_dtype
 from st_fastbackend.modules.files import resolve_folder
+from st_fastbackend.modules.inputs import check_texts
 from st_fastbackend.modules.options import check_model_kwargs, load_device, module_config, without_hub_kwargs
 from st_fastbackend.modules.tokenizer import (
     TextTokenizer,
-    check_texts,
     check_tokenizer_files,
     keep_special_token_flags,
     lowercase_input,

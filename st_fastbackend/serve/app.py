@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 
 from fastapi import FastAPI
 
@@ -21,12 +22,13 @@ from st_fastbackend.serve.rerank import Reranker, is_cross_encoder, rerank_route
 from st_fastbackend.serve.routes import Served, routes
 from st_fastbackend.serve.tokens import RequestTokenizer
 
-# An embedding model's routers, and the error shape of each dialect's paths (OpenAI's on every other path). A route
-# that does not serve the model's kind (a dense vector, sparse, multi-vector) names the one that does.
-EMBEDDING_DIALECTS = (
-    [routes, tei.tei_routes, cohere.cohere_routes, sparse.sparse_routes],
-    {**dict.fromkeys((*tei.PATHS, *sparse.PATHS), tei.tei_shape), **dict.fromkeys(cohere.PATHS, cohere.cohere_shape)},
-)
+# An embedding model's routers. A route that does not serve the model's kind (a dense vector, sparse, multi-vector)
+# names the one that does.
+EMBEDDING_DIALECTS = [routes, tei.tei_routes, cohere.cohere_routes, sparse.sparse_routes]
+# The error shape of each dialect's paths (OpenAI's on every other path), whatever the model: a path this model is not
+# served on answers its 404 in the dialect asked.
+ERROR_SHAPES = {**dict.fromkeys((*tei.PATHS, *sparse.PATHS), tei.tei_shape),
+                **dict.fromkeys(cohere.PATHS, cohere.cohere_shape)}  # fmt: skip
 
 
 def create_app(
@@ -49,20 +51,22 @@ def create_app(
     cross_encoder = is_cross_encoder(model)
     adapter = Reranker if cross_encoder else Embedder
     limits, metrics, embedder = limits or Limits(), Metrics(), adapter(model)
+    if limits.max_request_tokens is None:
+        limits = dataclasses.replace(limits, max_request_tokens=max_batch_size * max_input_tokens)
     batcher = Batcher(embedder, max_tokens_per_batch, max_batch_size, metrics, dynamic_batching,
                       pack_seconds=pack_seconds)  # fmt: skip
     tokenizer = RequestTokenizer(embedder, max_input_tokens)
     served = Served(embedder, served_model_name, tokenizer, batcher, limits, max_batch_size, metrics)
     app = FastAPI(title="st_fastbackend", lifespan=_lifespan(served))
-    dialects, shapes = ([rerank_routes], {}) if cross_encoder else EMBEDDING_DIALECTS
-    fail = ErrorResponses(metrics.errors, shapes)
+    dialects = [rerank_routes] if cross_encoder else EMBEDDING_DIALECTS
+    fail = ErrorResponses(metrics.errors, ERROR_SHAPES)
     public = {"/health", "/metrics"} if public_metrics else {"/health"}
     app.add_middleware(Guard, fail=fail, api_key=api_key, public_paths=public, max_body_bytes=limits.max_body_bytes,
                        body_timeout=limits.body_timeout)  # fmt: skip
     add_error_handlers(app, fail)
     for dialect in dialects:
         app.include_router(dialect(served))
-    app.state.batcher, app.state.metrics = batcher, metrics
+    app.state.batcher, app.state.metrics, app.state.fail = batcher, metrics, fail
     return app
 
 

@@ -38,7 +38,6 @@ from st_fastbackend.serve.routes import (
     embed_inputs,
     json_response,
     matryoshka,
-    resolve_prompt,
 )
 
 PATHS = ("/v2/embed",)
@@ -72,9 +71,9 @@ def cohere_routes(served: Served) -> APIRouter:
     async def embed(body: CohereEmbedRequest, request: Request) -> Response:
         served.metrics.requests.labels(endpoint="/v2/embed").inc()
         _check(served, body)
-        prompt = resolve_prompt(served.embedder, None, _prompt_name(served, body.input_type))
-        rows = await embed_inputs(served, body.texts, request, prompt=prompt, truncate=body.truncate != "NONE",
-                                  keep_end=body.truncate == "START", field="texts")  # fmt: skip
+        rows = await embed_inputs(served, body.texts, request, prompt_name=_prompt_name(served, body.input_type),
+                                  truncate=body.truncate != "NONE", keep_end=body.truncate == "START",
+                                  field="texts")  # fmt: skip
         if rows is None:
             return Response(status_code=499)
         vectors = torch.stack([matryoshka(row, body.output_dimension, served.embedder.normalizes) for row, _ in rows])

@@ -24,10 +24,12 @@ import os
 import resource
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
+from st_fastbackend.serve.errors import ApiError, Shape, openai_shape
 from st_fastbackend.serve.limits import ConnectionLimits
 from st_fastbackend.serve.metrics import Metrics
 
@@ -58,18 +60,20 @@ def fit_open_files(max_connections: int) -> tuple[int, str]:
                   f"(hard{raised}), {in_use} files are open and {SPARE_FILES} kept spare")  # fmt: skip
 
 
-def error_response(status: int, message: str, code: str) -> bytes:
-    """A whole HTTP response with an error in OpenAI's shape, closing the connection."""
-    body = orjson.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}})
-    head = b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body)
-    return STATUS_LINE[status] + head + body
+def error_response(error: ApiError, shape: Shape) -> bytes:
+    """A whole HTTP response with the error in `shape` (the dialect of the path asked), closing the connection."""
+    status, body = shape(error)
+    content = orjson.dumps(body)
+    head = b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(content)
+    return STATUS_LINE[status] + head + content
 
 
 class Connections:
     """The open connections, and those waiting for a request in the order they began to wait."""
 
-    def __init__(self, limits: ConnectionLimits, metrics: Metrics) -> None:
+    def __init__(self, limits: ConnectionLimits, metrics: Metrics, shape_for=lambda path: openai_shape) -> None:
         self.limits, self.metrics = limits, metrics
+        self.shape_for: Callable[[str], Shape] = shape_for  # a path's error shape (serve/errors.py ErrorResponses)
         self.open: set[GuardedProtocol] = set()
         self.waiting: OrderedDict[GuardedProtocol, None] = OrderedDict()
         self._unlogged: Counter[str] = Counter()
@@ -155,7 +159,8 @@ class GuardedProtocol(HttpToolsProtocol):
         """Close, with an error response unless `status` is None, counted under `reason`. Never called with a
         request in progress: its response is the app's."""
         if status is not None:
-            self.transport.write(error_response(status, message, code))
+            path = self._url.partition(b"?")[0].decode("latin-1")  # as far as it has arrived
+            self.transport.write(error_response(ApiError(status, message, code=code), self.guard.shape_for(path)))
         self._closed_by_us = True
         self._disarm()
         # Out of the counts now, not at connection_lost (a later loop turn): uvicorn's limit_concurrency counts
@@ -183,6 +188,7 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def on_url(self, url: bytes) -> None:
         self._parsed += len(url)
+        self._url += url  # within max_header_bytes: the parser gets no more
         super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -224,7 +230,7 @@ class GuardedProtocol(HttpToolsProtocol):
                 self._arm(self.limits.keep_alive_timeout, self._idle_too_long)
 
     def _start_head(self) -> None:
-        self._head_bytes, self._parsed, self._fields = 0, 0, 0
+        self._head_bytes, self._parsed, self._fields, self._url = 0, 0, 0, b""
 
     def _head_too_large(self) -> None:
         message = f"The request line and headers are over {self.limits.max_header_bytes} bytes."

@@ -23,6 +23,12 @@ def server_error(error: BaseException) -> ApiError:
     return ApiError(500, f"The server failed on this request ({type(error).__name__}).", type="server_error")
 
 
+def too_many_tokens(found: str, limit: int) -> ApiError:
+    """413 for a request that holds more model work than --max-request-tokens (`found`: what it holds)."""
+    return ApiError(413, f"{found} in one request; the limit is {limit:,} (--max-request-tokens).",
+                    code="request_too_large")  # fmt: skip
+
+
 # An error as a dialect answers it: (status, JSON body).
 Shape = Callable[[ApiError], tuple[int, dict]]
 
@@ -40,8 +46,11 @@ class ErrorResponses:
 
     def __call__(self, error: ApiError, headers: dict[str, str] | None = None, path: str = "") -> JSONResponse:
         self.total.labels(type=error.code or error.type).inc()
-        status, body = self.shapes.get(path, openai_shape)(error)
+        status, body = self.shape_for(path)(error)
         return JSONResponse(body, status_code=status, headers=headers)
+
+    def shape_for(self, path: str) -> Shape:
+        return self.shapes.get(path, openai_shape)
 
 
 def unparsable_body(cause: BaseException | None) -> str | None:

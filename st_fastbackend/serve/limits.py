@@ -10,6 +10,9 @@ class Limits:
     max_body_bytes: int = 8 * 2**20
     max_request_chars: int = 2_000_000  # all inputs of one request together
     body_timeout: float = 30.0  # seconds for the whole body to arrive
+    # Tokens of model work one request may hold: its inputs, chunks, late-chunking windows or rerank pairs together.
+    # None: --max-batch-size x --max-input-tokens, the most a request without chunking holds (create_app decides).
+    max_request_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,7 @@ model's activation is applied here, per request, unless the client asks for raw 
 
 from __future__ import annotations
 
-import asyncio
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 import sentence_transformers
 import torch
@@ -20,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from st_fastbackend.engine.schedule import Schedule
 from st_fastbackend.serve.batcher import Job, ShuttingDown
-from st_fastbackend.serve.errors import ApiError, server_error
+from st_fastbackend.serve.errors import ApiError, server_error, too_many_tokens
+from st_fastbackend.serve.pairs import PairReader, pair_ids
 from st_fastbackend.serve.routes import Served, _unless_client_left, json_response, routes
 from st_fastbackend.serve.schema import check_unicode
 
@@ -79,7 +78,7 @@ class Reranker:
         self.normalizes = False
         self.device: torch.device = model.device
         self.activation_fn = model.activation_fn
-        self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rerank-tokenize")
+        self.pair_reader = PairReader(model[0])
 
     def compiles_seams(self) -> bool:
         return self._model[0].runtime.fused
@@ -92,19 +91,6 @@ class Reranker:
 
     def schedule(self, prompt: str | None, max_texts: int, max_tokens: int) -> Schedule:
         return ScoringSchedule(self._model, prompt, self.device, max_texts, max_tokens)
-
-    async def pairs(self, query: str, documents: list[str], truncate: bool) -> list[list[int]]:
-        """Each (query, document) pair's token ids, off the event loop, one tokenizer call at a time."""
-        return await asyncio.wrap_future(self._tokenizing.submit(self._pairs, query, documents, truncate))
-
-    def _pairs(self, query: str, documents: list[str], truncate: bool) -> list[list[int]]:
-        pairs = [(query, document) for document in documents]
-        if not truncate:
-            for index, length in enumerate(self._model[0].pair_lengths(pairs)):
-                if length > self.max_seq_length:
-                    raise ApiError(413, f"texts[{index}] with the query is {length} tokens; the model takes "
-                                        f"{self.max_seq_length} (truncate: true cuts it).")  # fmt: skip
-        return self._model[0].encode_pairs(pairs, None)
 
 
 def rerank_routes(served: Served) -> APIRouter:
@@ -158,7 +144,9 @@ async def _score(
         raise ApiError(400, f"This model scores {reranker.dimension} labels per pair; rerank needs one.")
     _check(served, query, documents, field)
     try:
-        ids = await reranker.pairs(query, documents, truncate)
+        ids = await pair_ids(served.tokenizer, reranker.pair_reader, query, documents, field, truncate)
+        if (tokens := sum(map(len, ids))) > served.limits.max_request_tokens:
+            raise too_many_tokens(f"{tokens:,} tokens of pairs", served.limits.max_request_tokens)
         rows = await _unless_client_left(served.batcher, Job(token_ids=ids, prompt=None), request)
     except (ApiError, ShuttingDown) as error:
         if isinstance(error, ShuttingDown):
@@ -177,9 +165,10 @@ async def _score(
 
 def _check(served: Served, query: str, documents: list[str], field: str) -> None:
     if not documents:
-        raise ApiError(400, f"{field} is empty.")
+        raise ApiError(400, f"{field} is empty.", code="empty_input")
     if len(documents) > served.max_batch_size:
-        raise ApiError(400, f"{len(documents)} {field} in one request; the limit is {served.max_batch_size}.")
+        message = f"{len(documents)} {field} in one request; the limit is {served.max_batch_size}."
+        raise ApiError(400, message, code="too_many_inputs")
     limit = served.limits.max_request_chars
     if (chars := len(query) * len(documents) + sum(map(len, documents))) > limit:  # the query goes with each
         message = f"{chars} characters of query (once per pair) and {field} in one request; the limit is {limit}."

@@ -18,7 +18,7 @@ from st_fastbackend.embedder import Embedder
 from st_fastbackend.models.chunking import Chunking
 from st_fastbackend.serve import chunked
 from st_fastbackend.serve.batcher import LATE_CHUNKS, Batcher, Job, ShuttingDown
-from st_fastbackend.serve.errors import ApiError, server_error
+from st_fastbackend.serve.errors import ApiError, server_error, too_many_tokens
 from st_fastbackend.serve.limits import Limits
 from st_fastbackend.serve.metrics import Metrics
 from st_fastbackend.serve.schema import EmbeddingRequest, check_unicode, request_inputs
@@ -78,9 +78,9 @@ async def _embed(served: Served, body: EmbeddingRequest, request: Request) -> li
     """(embedding, token count) per input, or None when the client left first."""
     check_model(served, body.model)
     check_dimensions(served, body.dimensions)
-    prompt = resolve_prompt(served.embedder, body.prompt, body.prompt_name)
     chunking = chunked.parse(body.chunking) if body.chunking is not None else None
-    return await embed_inputs(served, body.input, request, prompt=prompt, truncate=body.truncate, chunking=chunking)
+    return await embed_inputs(served, body.input, request, prompt=body.prompt, prompt_name=body.prompt_name,
+                              truncate=body.truncate, chunking=chunking)  # fmt: skip
 
 
 def check_model(served: Served, model: str | None) -> None:
@@ -95,31 +95,38 @@ def check_dimensions(served: Served, dimensions: int | None, field: str = "dimen
 
 
 async def embed_inputs(
-    served: Served, value, request: Request, *, prompt: str | None, truncate: bool, keep_end: bool = False,
-    output: str = "sentence_embedding", chunking: Chunking | None = None, field: str = "input",
-    max_tokens: int | None = None,
+    served: Served, value, request: Request, *, prompt: str | None = None, prompt_name: str | None = None,
+    truncate: bool, keep_end: bool = False, output: str = "sentence_embedding", chunking: Chunking | None = None,
+    field: str = "input", max_tokens: int | None = None,
 ) -> list | None:  # fmt: skip
     """What every dialect's embedding route runs: the request's inputs (texts or token ids) checked, tokenized
-    with `prompt`, through the worker; per input (its `output` row, its token count), or None when the client
-    left first. An input over the limit is cut (`truncate`; keeping its last tokens with `keep_end`), else 400.
-    `field`: the dialect's name for the inputs, in errors; `max_tokens`: the most tokens the request may hold
-    (413 past it)."""
+    with the prompt encode() resolves from `prompt` and `prompt_name`, through the worker; per input (its `output`
+    row, its token count), or None when the client left first. An input over the limit is cut (`truncate`; keeping
+    its last tokens with `keep_end`), else 400. `field`: the dialect's name for the inputs, in errors;
+    `max_tokens`: the most tokens the request may hold (413 past it)."""
     if output not in served.embedder.outputs:
         raise ApiError(400, wrong_route(served.embedder.kind), code="wrong_route")
     limits = served.limits
+    asked, prompt = prompt is not None or prompt_name is not None, resolve_prompt(served.embedder, prompt, prompt_name)
     texts, token_ids = request_inputs(value, served.max_batch_size, limits.max_request_chars, prompt, field)
-    if prompt and token_ids is not None:
-        raise ApiError(400, "prompt and prompt_name apply to text input, not to token ids.")
+    if token_ids is not None:
+        if asked:  # whatever the prompt named holds, "" included
+            raise ApiError(400, "prompt and prompt_name apply to text input, not to token ids.")
+        prompt = None  # ids are embedded as given: the model's default prompt does not apply either
     if chunking is not None and token_ids is not None:
         raise ApiError(400, "chunking applies to text input, not to token ids.")
     try:
         if chunking is None:
             ids = await served.tokenizer(texts, token_ids, prompt, truncate, keep_end=keep_end)
-            if max_tokens is not None and (tokens := sum(map(len, ids))) > max_tokens:
+            tokens = sum(map(len, ids))
+            if max_tokens is not None and tokens > max_tokens:
                 message = f"{tokens} tokens in one request; the limit for {output} is {max_tokens}."
                 raise ApiError(413, message, code="request_too_large")
+            if tokens > limits.max_request_tokens:
+                raise too_many_tokens(f"{tokens:,} tokens", limits.max_request_tokens)
             return await _unless_client_left(served.batcher, Job(ids, prompt, output=output), request)
-        ids, found, within = await chunked.chunk_plan(served.tokenizer, texts, prompt, chunking)
+        ids, found, within = await chunked.chunk_plan(served.tokenizer, texts, prompt, chunking,
+                                                      limits.max_request_tokens)  # fmt: skip
         late = {"output": LATE_CHUNKS, "spans": within} if within is not None else {}
         rows = await _unless_client_left(served.batcher, Job(token_ids=ids, prompt=prompt, **late), request)
         if rows is None:

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from st_fastbackend.modules.inputs import lone_surrogate
 from st_fastbackend.serve.errors import ApiError
-
-# JSON may escape half of a UTF-16 surrogate pair ("\ud800"); Python keeps it, tokenizers refuse it.
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class EmbeddingRequest(BaseModel):
@@ -56,5 +53,5 @@ def request_inputs(
 
 
 def check_unicode(text: str, what: str) -> None:
-    if found := _LONE_SURROGATE.search(text):
-        raise ApiError(400, f"{what} holds a lone surrogate (U+{ord(found.group()):04X}), which is not Unicode text.")
+    if message := lone_surrogate(text, what):
+        raise ApiError(400, message)

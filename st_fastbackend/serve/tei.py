@@ -25,7 +25,8 @@ from st_fastbackend.serve.routes import Served, check_dimensions, embed_inputs, 
 from st_fastbackend.serve.schema import request_inputs
 
 ROOT_PATHS = ("/", "/invocations")  # where huggingface_hub's InferenceClient(model=URL) posts its embeddings requests
-PATHS = ("/embed", "/embed_all", "/tokenize", "/decode", "/info", *ROOT_PATHS)
+# TEI's paths, answered in its error shape; /rerank is served on a cross-encoder (serve/rerank.py).
+PATHS = ("/embed", "/embed_all", "/tokenize", "/decode", "/info", "/rerank", *ROOT_PATHS)
 # /embed_all's values (tokens x values per token) in one request at most: about 180 MB of JSON.
 MAX_TOKEN_VALUES = 2**24
 
@@ -134,10 +135,9 @@ def tei_routes(served: Served) -> APIRouter:
 async def embed_request(served: Served, body: EmbedAllRequest, request: Request, output: str) -> list | None:
     """What TEI's embedding routes run: the body's inputs, prompt and truncation through the worker, for `output`
     (token outputs bounded by MAX_TOKEN_VALUES a request)."""
-    prompt = resolve_prompt(served.embedder, None, body.prompt_name)
     per_token = output == served.embedder.token_output  # output is a name; token_output None where there is none
     max_tokens = MAX_TOKEN_VALUES // served.embedder.token_dimension if per_token else None
-    return await embed_inputs(served, body.inputs, request, prompt=prompt, truncate=bool(body.truncate),
+    return await embed_inputs(served, body.inputs, request, prompt_name=body.prompt_name, truncate=bool(body.truncate),
                               keep_end=body.truncation_direction.lower() == "left", output=output, field="inputs",
                               max_tokens=max_tokens)  # fmt: skip
 

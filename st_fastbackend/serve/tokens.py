@@ -11,13 +11,16 @@ state and must not run in two threads at once. What one request may cost it is b
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from st_fastbackend.embedder import Embedder
-from st_fastbackend.modules.tokenizer import NoTokensError, WholeTokens, clip_text, last_word_start
+from st_fastbackend.modules.long_text import whole_reason
+from st_fastbackend.modules.tokenizer import NoTokensError, WholeTokens, clip_text
 
+logger = logging.getLogger(__name__)
 _WORD = re.compile(r"(?<=\s)\S")  # where a word begins after whitespace
 _SPACE = re.compile(r"\s")
 _FIRST_WORD = re.compile(r"\s*\S*")
@@ -48,6 +51,10 @@ class RequestTokenizer:
         self.vocab_size = embedder.vocab_size
         self.longest_token = max(map(len, embedder.texts.tokenizer.get_vocab()))
         self.max_chars = max_text_chars(embedder.texts.tokenizer, max_input_tokens)
+        # Characters of a chunked text tokenized per task (modules/long_text.py), or None: each text whole, in one
+        if reason := whole_reason(embedder.texts):
+            logger.warning(f"Chunked texts are tokenized whole, each in one task of the tokenizer's thread: {reason}.")
+        self.piece_chars = None if reason else CHUNK_CHARS
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     async def __call__(
@@ -63,24 +70,24 @@ class RequestTokenizer:
             return await loop.run_in_executor(self.pool, self._checked, token_ids, truncate, keep_end)
         if prompt and len(prompt) > self.max_chars:  # never truncated: pooling and prefix use all its tokens
             raise InputError(f"The prompt has {len(prompt):,} characters; the limit is {self.max_chars:,}"
-                             f" ({self._bound()}).")  # fmt: skip
+                             f" ({self.bound()}).")  # fmt: skip
         if prompt and (alone := await loop.run_in_executor(self.pool, self._prompt_alone, prompt, truncate)):
             if keep_end:
                 raise InputError(f"The prompt alone has more than {self.limit} tokens: keeping the end of an input "
                                  "leaves no room for it.")  # fmt: skip
             return [list(alone) for _ in texts]
         ids = []
-        for first, chunk in self._chunks(texts, prompt):
+        for first, chunk in self.chunks(texts, prompt):
             ids += await loop.run_in_executor(self.pool, self._tokenized, chunk, prompt, truncate, first, keep_end)
         return ids
 
     def close(self) -> None:
         self.pool.shutdown()
 
-    def _bound(self) -> str:
+    def bound(self) -> str:
         return f"{SLACK} x --max-input-tokens {self.limit} x {self.longest_token}, the vocabulary's longest token"
 
-    def _chunks(self, texts: list[str], prompt: str | None) -> Iterator[tuple[int, list[str]]]:
+    def chunks(self, texts: list[str], prompt: str | None) -> Iterator[tuple[int, list[str]]]:
         """(position of the first, texts) with about CHUNK_CHARS characters to tokenize each."""
         first, size = 0, 0
         for index, text in enumerate(texts):
@@ -135,7 +142,7 @@ class RequestTokenizer:
             begin = _WORD.search(text, len(text) - self.max_chars)
             if (gap := begin and _SPACE.search(text, begin.start())) is None:
                 raise InputError(f"Input {index} ({len(text):,} characters): no word begins in its last "
-                                 f"{self.max_chars:,} characters to cut it at ({self._bound()}).")  # fmt: skip
+                                 f"{self.max_chars:,} characters to cut it at ({self.bound()}).")  # fmt: skip
             settled = len(prompt) + gap.start() - begin.start()
             # How the whole text begins: the prompt's last token may merge with its first word
             start = texts.whole(prompt + _FIRST_WORD.match(text, 0, self.max_chars).group())
@@ -150,7 +157,7 @@ class RequestTokenizer:
         first = next((i for i in range(len(head), end) if whole.offsets[i][0] >= settled), end)
         if room < 1 or end - first < room:
             raise InputError(f"Input {index} cannot keep its last {max(room, 0)} tokens within the last "
-                             f"{self.max_chars:,} characters it is read in ({self._bound()}).")  # fmt: skip
+                             f"{self.max_chars:,} characters it is read in ({self.bound()}).")  # fmt: skip
         return head + ids[end - room :]
 
     def _head_length(self, tokens: WholeTokens, prompt: str) -> int:
@@ -175,7 +182,7 @@ class RequestTokenizer:
             raise InputError(
                 f"Input {index} ({len(text):,} characters) cannot be cut at {self.limit} tokens within its first "
                 f"{self.max_chars:,} characters: they hold too few tokens, or no word ends after {self.limit} of "
-                f"them. The server reads at most {self.max_chars:,} characters of an input ({self._bound()})."
+                f"them. The server reads at most {self.max_chars:,} characters of an input ({self.bound()})."
             )
         return clipped
 
@@ -185,8 +192,7 @@ class RequestTokenizer:
         return len(seq) > self.limit
 
     def _word_start(self, text: str) -> int:
-        with self.embedder.texts.lock:  # the worker may measure a prompt meanwhile (modules/tokenizer.py)
-            return last_word_start(self.embedder.texts.tokenizer, text)
+        return self.embedder.texts.word_start(text)  # locked: the worker may measure a prompt meanwhile
 
     def _count(self, text: str, prompt: str | None, max_length: int) -> int:
         return self.embedder.texts.count(text, prompt, max_length)
