@@ -120,8 +120,12 @@ def resolve(out: Path, image_file: Path) -> None:
             closure = resolve_closure(wanted, pins, Path(scratch))
             asked = demands(closure, wanted)
             names = [name_of(item["metadata"]["name"]) for item in closure]
-            meets = {name: image[name] for name in names if image.get(name) and all(
-                spec.contains(Version(image[name]), prereleases=True) for spec in asked.get(name, []))}
+            meets = {
+                name: image[name]
+                for name in names
+                if image.get(name)
+                and all(spec.contains(Version(image[name]), prereleases=True) for spec in asked.get(name, []))
+            }
             if meets.keys() <= pins.keys():
                 break
             pins |= meets
