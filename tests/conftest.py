@@ -94,3 +94,12 @@ def ray_cluster():
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def minilm_server():
+    """`st-fastbackend serve` on the bundled all-MiniLM-L6-v2: (process, url)."""
+    process, url = serving.start_server(helpers.minilm_path())
+    yield process, url
+    process.terminate()
+    process.wait(30)

@@ -9,8 +9,8 @@ import random
 import httpx
 import pytest
 from builders import WORDS
-from helpers import TOLERANCE, max_diff, minilm_path
-from serving import HEADERS, app_client, assert_fair, probed, rss_bytes, rss_grown, start_server
+from helpers import TOLERANCE, max_diff
+from serving import HEADERS, app_client, assert_fair, probed, rss_bytes, rss_grown
 
 from st_fastbackend import Chunking, SentenceTransformer
 from st_fastbackend.cli.serve import add_serve
@@ -76,14 +76,6 @@ def test_a_text_read_in_many_pieces_gives_encode_chunks(folder, monkeypatch):
         word = post(client, {"input": ["start " + "x" * 40_000], "chunking": chunking})
         assert word.status_code == 400 and "a word (as the tokenizer splits words) of over" in word.text
         assert "the most a word may hold: 4 x --max-input-tokens 256 x" in word.text
-
-
-@pytest.fixture(scope="module")
-def minilm_server():
-    process, url = start_server(minilm_path())
-    yield process, url
-    process.terminate()
-    process.wait(30)
 
 
 def test_two_million_characters_to_chunk_hold_up_no_one(minilm_server):

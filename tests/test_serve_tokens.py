@@ -56,14 +56,6 @@ def minilm():
     return SentenceTransformer(minilm_path(), backend="fast", device=DEVICE)
 
 
-@pytest.fixture(scope="module")
-def minilm_server():
-    process, url = start_server(minilm_path())
-    yield process, url
-    process.terminate()
-    process.wait(30)
-
-
 def post(url: str, body: dict, timeout: float = 300) -> httpx.Response:
     return httpx.post(f"{url}/v1/embeddings", json=body, timeout=timeout)
 

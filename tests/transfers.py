@@ -8,7 +8,22 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
-class HostToDevice:
+class _Counter:
+    """Its torch-function and dispatch modes entered together, and left in reverse."""
+
+    _modes: tuple = ()
+
+    def __enter__(self):
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+
+
+class HostToDevice(_Counter):
     """Counts copies of host data to another device: a host tensor moved (.to, copy_), seen among the dispatched
     operations, and a tensor built on the device from host values (torch.tensor or torch.as_tensor of a list with
     device=...), which PyTorch fills on the host and copies without dispatching: only a torch-function mode sees it.
@@ -19,15 +34,6 @@ class HostToDevice:
         self.copies = 0
         self.waits = 0
         self._modes = (_BuiltOnDevice(self), _Moved(self))
-
-    def __enter__(self) -> HostToDevice:
-        for mode in self._modes:
-            mode.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for mode in reversed(self._modes):
-            mode.__exit__(*exc)
 
 
 class _BuiltOnDevice(TorchFunctionMode):
@@ -62,7 +68,7 @@ class _Moved(TorchDispatchMode):
         return out
 
 
-class HostWaits:
+class HostWaits(_Counter):
     """Counts what makes the host wait for a GPU, with the CPU standing in (its tensors on the host already): values
     read on the host (.tolist(), .item(), .numpy(), a blocking .cpu() or .to("cpu")), and operations whose output's
     size depends on the values (nonzero, masked_select, a boolean index: the host reads the count). A non-blocking
@@ -71,15 +77,6 @@ class HostWaits:
     def __init__(self) -> None:
         self.count = 0
         self._modes = (_ReadOnHost(self), _SizedByValues(self))
-
-    def __enter__(self) -> HostWaits:
-        for mode in self._modes:
-            mode.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for mode in reversed(self._modes):
-            mode.__exit__(*exc)
 
 
 class _ReadOnHost(TorchFunctionMode):
