@@ -196,3 +196,41 @@ def test_train_and_eval_modes(models, texts):
     assert not any(module.training for module in fast[0].model.modules())
     np.testing.assert_array_equal(fast.encode(texts[:8]), expected)  # encode() puts it in eval mode itself
     assert not fast.training and not fast[0].training and not fast[1].training
+
+
+class FirstTokens(SentenceTransformer):
+    """A fifth output kind, in one class: each text's first token vector, from its row rule alone."""
+
+    def pack_rows(self, prompt, options):
+        from st_fastbackend.models.fast import PackRows, text_tokens
+
+        for name in ("output_value", "save_to_cpu", "truncate_dim", "normalize_embeddings"):
+            options.pop(name)
+
+        def rows(out):
+            starts = out["packed"].cu_seqlens[:-1].long()
+            return out["token_embeddings"][starts].cpu(), None
+
+        return PackRows(text_tokens(self[0].texts, prompt), rows, lambda results, device: torch.stack(results))
+
+
+def test_an_output_kind_is_one_row_rule(st_model, texts):
+    """encode()'s loop (FastModel._packed_inference) is every class's; what a class makes of a pack is its
+    pack_rows: a subclass that gives each text's first token vector needs nothing else."""
+    model = FirstTokens(str(st_model("bert", pooling_mode="mean")), backend="fast", device=DEVICE)
+    texts = [t for t in texts if t]
+    first = model.encode(texts, batch_size=3, convert_to_tensor=True)
+    tokens = SentenceTransformer(str(st_model("bert", pooling_mode="mean")), backend="fast", device=DEVICE).encode(
+        texts, output_value="token_embeddings"
+    )
+    assert first.shape == (len(texts), tokens[0].shape[1])
+    assert max_diff(first, torch.stack([t[0] for t in tokens]).cpu()) <= TOLERANCE
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_processing_kwargs_are_refused_by_name(st_model, chunked):
+    """The fast backend tokenizes with the model's own tokenizer as loaded: processing_kwargs would be ignored."""
+    model = SentenceTransformer(str(st_model("bert", pooling_mode="mean")), backend="fast", device=DEVICE)
+    chunking = {"chunking": Chunking(tokens=8)} if chunked else {}
+    with pytest.raises(Exception, match=r"processing_kwargs in encode\(\)"):
+        model.encode(["a text"], processing_kwargs={"text": {"max_length": 4}}, **chunking)

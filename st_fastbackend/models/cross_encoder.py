@@ -19,8 +19,7 @@ from sentence_transformers.cross_encoder.modules import LogitScore
 from transformers import PretrainedConfig
 
 from st_fastbackend.engine.spec import UnsupportedModelError
-from st_fastbackend.models.fast import FastModel, default_module_kwargs
-from st_fastbackend.models.host_rows import HostRows
+from st_fastbackend.models.fast import FastModel, PackRows, default_module_kwargs
 from st_fastbackend.modules.files import architectures
 from st_fastbackend.modules.inputs import check_pairs
 from st_fastbackend.modules.scoring import PackedLogitScore, PackedScoringTransformer
@@ -28,6 +27,7 @@ from st_fastbackend.modules.scoring import PackedLogitScore, PackedScoringTransf
 
 class CrossEncoder(FastModel, sentence_transformers.CrossEncoder):
     fast_modules = {Transformer: PackedScoringTransformer, LogitScore: PackedLogitScore}
+    inference_call = "predict"
     prompt_reuse = False  # the prompt alone is not what pairs share: the tokens they begin with are (prefix_reuse)
     # On a causal-LM reranker the tokens every pair of a call begins with (a chat template's head and instruction,
     # rank()'s query) are computed once (PackedScoringTransformer.shared_prefix); False runs them with every pair.
@@ -89,38 +89,19 @@ class CrossEncoder(FastModel, sentence_transformers.CrossEncoder):
             return super().num_labels
         return self[0].config.num_labels
 
-    @torch.inference_mode()
-    def _packed_inference(
-        self,
-        inputs: list,
-        *,
-        prompt: str | None,
-        batch_size: int,
-        show_progress_bar: bool,
-        activation_fn: Callable | None,
-        apply_softmax: bool | None,
-        device: str | torch.device | None = None,
-        max_tokens_per_batch: int | None = None,
-        **kwargs,
-    ) -> torch.Tensor:
-        """predict()'s inner loop on packed pairs (models/fast.py packed_runs); scores in the caller's order."""
-        if kwargs.pop("processing_kwargs", None):
-            raise UnsupportedModelError("processing_kwargs in predict()")
-        device, max_tokens = self._inference_start(inputs, device, max_tokens_per_batch)
+    def pack_rows(self, prompt: str | None, options: dict) -> PackRows:
+        """Each pair's score (or scores), as the parent's predict() makes them; on the model's device."""
+        activation_fn, apply_softmax = options.pop("activation_fn"), options.pop("apply_softmax")
         transformer, num_labels = self[0], self.num_labels
 
         def tokenize(chunk: list, positions: range) -> list[list[int]]:
             return transformer.encode_pairs(chunk, prompt, first_index=positions.start)
 
-        scores: list = [None] * len(inputs)
-        landing = HostRows(scores)  # the scores stay on the model's device
-        shared = transformer.shared_prefix if self.prefix_reuse else None
-        runs = self.packed_runs(inputs, tokenize, prompt=prompt, device=device, batch_size=batch_size,
-                                max_tokens=max_tokens, show_progress_bar=show_progress_bar, shared_prefix=shared,
-                                **kwargs)  # fmt: skip
-        for positions, out in runs:
-            landing.add(positions, _scores(out["scores"], activation_fn, num_labels, apply_softmax))
-        return torch.stack(scores) if scores else torch.tensor([], device=device)
+        def finish(scores: list, device: torch.device) -> torch.Tensor:
+            return torch.stack(scores) if scores else torch.tensor([], device=device)
+
+        return PackRows(tokenize, lambda out: (_scores(out["scores"], activation_fn, num_labels, apply_softmax), None),
+                        finish, shared_prefix=transformer.shared_prefix if self.prefix_reuse else None)  # fmt: skip
 
 
 def _scores(scores: torch.Tensor, activation_fn: Callable | None, num_labels: int, softmax: bool | None):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -25,6 +26,7 @@ from tqdm.autonotebook import tqdm
 from st_fastbackend.engine.prefix import Prefix
 from st_fastbackend.engine.schedule import Schedule, default_max_tokens
 from st_fastbackend.engine.spec import UnsupportedModelError
+from st_fastbackend.models.host_rows import HostRows
 from st_fastbackend.modules import PackedTransformer, check_texts
 from st_fastbackend.modules.files import unreadable_json
 from st_fastbackend.modules.tokenizer import TextTokenizer
@@ -34,8 +36,22 @@ Tokenize = Callable[[list, range], list[list[int]]]  # (the chunk's inputs, thei
 SharedPrefix = Callable[[list[list[int]]], Prefix | None]  # a chunk's token ids -> what to compute once for them
 
 
+@dataclass(frozen=True)
+class PackRows:
+    """A class's row rule for its encode() or predict() (FastModel._packed_inference): how its inputs are tokenized,
+    what a pack's outputs become (its rows; where a text has several, one tensor of them all and how many are each
+    text's), and what the call returns of every text's rows in the caller's order."""
+
+    tokenize: Tokenize
+    rows: Callable[[dict], tuple[Any, list[int] | None]]
+    finish: Callable[[list, torch.device], Any]  # (every text's rows, the device) -> the call's result
+    copied_to_host: bool = False  # the rows are copied off a GPU without waiting (HostRows lands them packs behind)
+    shared_prefix: SharedPrefix | None = None  # packed_runs' shared_prefix
+
+
 class FastModel:
     fast_modules: ClassVar[dict[type, type]] = {}  # sentence-transformers' module class -> ours
+    inference_call: ClassVar[str] = "encode"  # the method whose options errors name
     _max_tokens_per_batch: int | None = None
     _placed: tuple[str, torch.device] | None = None  # (the device asked, where every tensor was found), until a move
     # A prompt shared by the texts of a call (or a server batch) is computed once, on causal decoders
@@ -103,6 +119,33 @@ class FastModel:
         if self.backend != "fast":
             return super()._inference(inputs, **kwargs)
         return self._packed_inference(inputs, **kwargs)
+
+    @torch.inference_mode()
+    def _packed_inference(
+        self, inputs: list, *, prompt: str | None, batch_size: int, show_progress_bar: bool,
+        device: str | torch.device | None = None, max_tokens_per_batch: int | None = None,
+        processing_kwargs: dict | None = None, **options,
+    ):  # fmt: skip
+        """The inner loop of every class's encode() or predict() on packed batches (packed_runs): the class's row rule
+        (pack_rows, which takes the options it knows and checks them before the inputs are) makes each pack's
+        outputs rows, in the caller's order; what it leaves of `options` (a task) goes to the modules."""
+        if processing_kwargs:  # the packed tokenizer is the model's own, as loaded
+            raise UnsupportedModelError(f"processing_kwargs in {self.inference_call}()")
+        rule = self.pack_rows(prompt, options)
+        device, max_tokens = self._inference_start(inputs, device, max_tokens_per_batch)
+        results: list = [None] * len(inputs)
+        landing = HostRows(results, copied_from=device if rule.copied_to_host and device.type == "cuda" else None)
+        runs = self.packed_runs(inputs, rule.tokenize, prompt=prompt, device=device, batch_size=batch_size,
+                                max_tokens=max_tokens, show_progress_bar=show_progress_bar,
+                                shared_prefix=rule.shared_prefix, **options)  # fmt: skip
+        for positions, out in runs:
+            landing.add(positions, *rule.rows(out))
+        landing.finish()
+        return rule.finish(results, device)
+
+    def pack_rows(self, prompt: str | None, options: dict) -> PackRows:
+        """The class's row rule for a call with these options (it pops those it takes)."""
+        raise NotImplementedError
 
     def check_inputs(self, inputs: list) -> None:
         """Each input one this class takes (texts; a CrossEncoder: pairs of texts), else an error naming its index."""

@@ -16,8 +16,7 @@ from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask
 from torch import Tensor
 
 from st_fastbackend.engine.spec import UnsupportedModelError
-from st_fastbackend.models.fast import FastModel
-from st_fastbackend.models.host_rows import HostRows
+from st_fastbackend.models.fast import FastModel, PackRows
 from st_fastbackend.modules.multi_vector import PackedMultiVectorMask, PackedMultiVectorTransformer, scored_rows
 
 
@@ -37,48 +36,24 @@ class MultiVectorEncoder(FastModel, sentence_transformers.MultiVectorEncoder):
             raise UnsupportedModelError("A bare checkpoint as a MultiVectorEncoder (it gets an untrained projection)")
         return super()._load_default_modules(model_name_or_path, *args, **kwargs)
 
-    @torch.inference_mode()
-    def _packed_inference(
-        self,
-        inputs: list,
-        *,
-        prompt: str | None,
-        batch_size: int,
-        show_progress_bar: bool,
-        output_value: str | None,
-        save_to_cpu: bool,
-        normalize_embeddings: bool,
-        token_pooling,
-        task: str | None,
-        device: str | torch.device | None = None,
-        max_tokens_per_batch: int | None = None,
-        **kwargs,
-    ) -> list[Tensor]:
-        """encode()'s inner loop on packed batches (models/fast.py packed_runs); per text its [len_i, dim] scored
-        token vectors, in the caller's order."""
-        if output_value is None:
+    def pack_rows(self, prompt: str | None, options: dict) -> PackRows:
+        """Per text its [len_i, dim] scored token vectors (normalised, pooled, on the host as asked)."""
+        if options.pop("output_value") is None:
             raise UnsupportedModelError("output_value=None (padded per-batch feature dicts) in MultiVectorEncoder")
-        if kwargs.pop("processing_kwargs", None):
-            raise UnsupportedModelError("processing_kwargs in encode()")
-        device, max_tokens = self._inference_start(inputs, device, max_tokens_per_batch)
-        transformer = self[0]
+        to_cpu, normalize = options.pop("save_to_cpu"), options.pop("normalize_embeddings")
+        token_pooling, task, transformer = options.pop("token_pooling"), options.get("task"), self[0]
 
         def tokenize(chunk: list[str], positions: range) -> list[list[int]]:
             return transformer.encode_task(chunk, prompt, task, first_index=positions.start)
 
-        results: list = [None] * len(inputs)
-        landing = HostRows(results, copied_from=device if save_to_cpu and device.type == "cuda" else None)
-        runs = self.packed_runs(inputs, tokenize, prompt=prompt, device=device, batch_size=batch_size,
-                                max_tokens=max_tokens, show_progress_bar=show_progress_bar, task=task,
-                                **kwargs)  # fmt: skip
-        for positions, out in runs:
+        def rows(out: dict) -> tuple[Tensor, list[int]]:
             rows, counts = scored_rows(out)  # [K, dim], each text's n_i
-            if normalize_embeddings:
+            if normalize:
                 rows = torch.nn.functional.normalize(rows, p=2, dim=-1)
             if token_pooling is not None:
                 vectors = token_pooling.pool(list(rows.split(counts)), task=task)
                 rows, counts = torch.cat(vectors), [len(v) for v in vectors]
             # From a GPU: one copy per pack, without waiting for it (HostRows waits, a few packs behind, and splits).
-            landing.add(positions, rows.to("cpu", non_blocking=True) if save_to_cpu else rows, counts)
-        landing.finish()
-        return results
+            return (rows.to("cpu", non_blocking=True) if to_cpu else rows), counts
+
+        return PackRows(tokenize, rows, lambda results, device: results, copied_to_host=to_cpu)

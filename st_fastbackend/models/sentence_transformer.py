@@ -19,8 +19,7 @@ from torch import Tensor
 from st_fastbackend.engine.spec import UnsupportedModelError
 from st_fastbackend.models.chunked import aggregate, chunk_vectors, pipeline_normalizes
 from st_fastbackend.models.chunking import Chunking, Chunks
-from st_fastbackend.models.fast import FastModel, default_module_kwargs, text_tokens
-from st_fastbackend.models.host_rows import HostRows
+from st_fastbackend.models.fast import FastModel, PackRows, default_module_kwargs, text_tokens
 from st_fastbackend.modules import PackedPooling, PackedTransformer
 
 OUTPUT_VALUES = ("sentence_embedding", "token_embeddings", None)
@@ -54,46 +53,31 @@ class SentenceTransformer(FastModel, sentence_transformers.SentenceTransformer):
         pooling = PackedPooling(transformer.get_embedding_dimension(), "lasttoken" if causal else "mean")
         return [transformer, pooling], {}
 
-    @torch.inference_mode()
-    def _packed_inference(
-        self,
-        inputs: list,
-        *,
-        prompt: str | None,
-        batch_size: int,
-        show_progress_bar: bool,
-        output_value: str | None,
-        save_to_cpu: bool,
-        normalize_embeddings: bool,
-        truncate_dim: int | None,
-        device: str | torch.device | None,
-        max_tokens_per_batch: int | None = None,
-        chunking: Chunking | None = None,
-        **kwargs,
-    ) -> list | Tensor:
-        """encode()'s inner loop on packed batches (models/fast.py packed_runs); results in the caller's order."""
+    def _packed_inference(self, inputs: list, *, output_value: str | None, chunking: Chunking | None = None, **kwargs):
+        """encode(): FastModel's loop with this class's row rule, or with `chunking` one vector per text."""
         if output_value not in OUTPUT_VALUES:
             raise ValueError(f"output_value must be one of {OUTPUT_VALUES}, got {output_value!r}.")
-        device, max_tokens = self._inference_start(inputs, device, max_tokens_per_batch)
-        if chunking is not None:
-            run = {"device": device, "batch_size": batch_size, "max_tokens": max_tokens,
-                   "show_progress_bar": show_progress_bar, **kwargs}  # fmt: skip
-            return self._aggregated(inputs, chunking, prompt, output_value, normalize_embeddings, truncate_dim,
-                                    save_to_cpu, run)  # fmt: skip
-        tokenize = text_tokens(self[0].texts, prompt)
-        results: list = [None] * len(inputs)
-        copied = device.type == "cuda" and save_to_cpu and output_value == "sentence_embedding"  # see _rows
-        landing = HostRows(results, copied_from=device if copied else None)
-        runs = self.packed_runs(inputs, tokenize, prompt=prompt, device=device, batch_size=batch_size,
-                                max_tokens=max_tokens, show_progress_bar=show_progress_bar, **kwargs)  # fmt: skip
-        for positions, out in runs:
-            landing.add(positions, _rows(out, output_value, truncate_dim, normalize_embeddings, save_to_cpu))
-        landing.finish()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # the rows left on the GPU, if any, are complete
-        if output_value == "sentence_embedding":
-            return torch.stack(results) if results else torch.tensor([], device=device)
-        return results
+        if chunking is None:
+            return super()._packed_inference(inputs, output_value=output_value, **kwargs)
+        return self._aggregated(inputs, chunking, output_value, **kwargs)
+
+    def pack_rows(self, prompt: str | None, options: dict) -> PackRows:
+        """Each text's sentence embedding (truncated, normalised, on the host as asked), token embeddings or dict of
+        outputs, as sentence-transformers' encode() gives them."""
+        output_value, to_cpu = options.pop("output_value"), options.pop("save_to_cpu")
+        truncate_dim, normalize = options.pop("truncate_dim"), options.pop("normalize_embeddings")
+        dense = output_value == "sentence_embedding"
+
+        def finish(results: list, device: torch.device) -> list | Tensor:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # the rows left on the GPU, if any, are complete
+            if dense:
+                return torch.stack(results) if results else torch.tensor([], device=device)
+            return results
+
+        return PackRows(text_tokens(self[0].texts, prompt),
+                        lambda out: (_rows(out, output_value, truncate_dim, normalize, to_cpu), None), finish,
+                        copied_to_host=dense and to_cpu)  # fmt: skip
 
     def encode_chunks(
         self, inputs: list[str], chunking: Chunking | None = None, *, prompt_name: str | None = None,
@@ -119,8 +103,19 @@ class SentenceTransformer(FastModel, sentence_transformers.SentenceTransformer):
         as_output = (lambda t: t) if convert_to_tensor else _tensor_to_numpy
         return [Chunks(as_output(vectors), chars, spans) for vectors, spans, chars in found]
 
-    def _aggregated(self, inputs, chunking, prompt, output_value, normalize, truncate_dim, to_cpu, run) -> Tensor:
+    @torch.inference_mode()
+    def _aggregated(
+        self, inputs: list, chunking: Chunking, output_value: str | None, *, prompt: str | None, batch_size: int,
+        show_progress_bar: bool, save_to_cpu: bool, normalize_embeddings: bool, truncate_dim: int | None,
+        device: str | torch.device | None = None, max_tokens_per_batch: int | None = None, **kwargs,
+    ) -> Tensor:  # fmt: skip
         """encode(chunking=...): one vector per text, its chunks' aggregate."""
+        if kwargs.pop("processing_kwargs", None):
+            raise UnsupportedModelError("processing_kwargs in encode()")
+        device, max_tokens = self._inference_start(inputs, device, max_tokens_per_batch)
+        run = {"device": device, "batch_size": batch_size, "max_tokens": max_tokens,
+               "show_progress_bar": show_progress_bar, **kwargs}  # fmt: skip
+        normalize, to_cpu = normalize_embeddings, save_to_cpu
         if chunking.aggregate is None:
             raise ValueError("encode(chunking=Chunking(aggregate=None)) gives several vectors per text: call "
                              "encode_chunks(), or give Chunking.aggregate ('mean', 'max' or 'first').")  # fmt: skip

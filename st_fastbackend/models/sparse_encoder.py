@@ -22,8 +22,7 @@ from sentence_transformers.util import select_max_active_dims
 from torch import Tensor
 
 from st_fastbackend.engine.spec import UnsupportedModelError
-from st_fastbackend.models.fast import FastModel, default_module_kwargs, text_tokens
-from st_fastbackend.models.host_rows import HostRows
+from st_fastbackend.models.fast import FastModel, PackRows, default_module_kwargs, text_tokens
 from st_fastbackend.modules import PackedPooling, PackedTransformer
 from st_fastbackend.modules.files import architectures
 from st_fastbackend.modules.options import task_config
@@ -107,48 +106,33 @@ class SparseEncoder(FastModel, sentence_transformers.SparseEncoder):
             return list(self._modules.values())
         return list(self[0].sub_modules[self[0]._resolve_route(task=task)])  # as its forward() resolves it
 
-    @torch.inference_mode()
-    def _packed_inference(
-        self,
-        inputs: list,
-        *,
-        prompt: str | None,
-        batch_size: int,
-        show_progress_bar: bool,
-        convert_to_sparse_tensor: bool,
-        save_to_cpu: bool,
-        max_active_dims: int | None,
-        device: str | torch.device | None = None,
-        max_tokens_per_batch: int | None = None,
-        **kwargs,
-    ) -> Tensor:
-        """encode()'s inner loop on packed batches (models/fast.py packed_runs); rows in the caller's order, each as
-        the parent makes them (top max_active_dims kept, sparse, on the CPU as asked)."""
-        if kwargs.pop("processing_kwargs", None):
-            raise UnsupportedModelError("processing_kwargs in encode()")
-        route = self._route(kwargs.get("task"))
-        if not isinstance(route[0], PackedTransformer):  # a SparseStaticEmbedding: sentence-transformers' own
-            return sentence_transformers.SparseEncoder._inference(
-                self, inputs, prompt=prompt, batch_size=batch_size, show_progress_bar=show_progress_bar,
-                convert_to_sparse_tensor=convert_to_sparse_tensor, save_to_cpu=save_to_cpu,
-                max_active_dims=max_active_dims, device=device, **kwargs,
-            )  # fmt: skip
-        device, max_tokens = self._inference_start(inputs, device, max_tokens_per_batch)
-        tokenize = text_tokens(route[0].texts, prompt)
+    def _packed_inference(self, inputs: list, **kwargs) -> Tensor:
+        """encode(): FastModel's loop with this class's row rule; a route without the packed engine (a
+        SparseStaticEmbedding) runs sentence-transformers' own."""
+        if not isinstance(self._route(kwargs.get("task"))[0], PackedTransformer):
+            return sentence_transformers.SparseEncoder._inference(self, inputs, **kwargs)
+        return super()._packed_inference(inputs, **kwargs)
+
+    def pack_rows(self, prompt: str | None, options: dict) -> PackRows:
+        """Each text's row as the parent makes it: top max_active_dims kept, sparse, on the CPU as asked."""
+        to_sparse, to_cpu = options.pop("convert_to_sparse_tensor"), options.pop("save_to_cpu")
+        max_active_dims = options.pop("max_active_dims")
         if max_active_dims is not None:
-            kwargs["max_active_dims"] = max_active_dims  # SparseAutoEncoder's k
-        rows: list = [None] * len(inputs)
-        landing = HostRows(rows)
-        runs = self.packed_runs(inputs, tokenize, prompt=prompt, device=device, batch_size=batch_size,
-                                max_tokens=max_tokens, show_progress_bar=show_progress_bar, **kwargs)  # fmt: skip
-        for positions, out in runs:
+            options["max_active_dims"] = max_active_dims  # SparseAutoEncoder's k
+        route = self._route(options.get("task"))
+
+        def rows(out: dict) -> tuple[Tensor, None]:
             embeddings = out["sentence_embedding"]
             if max_active_dims is not None:
                 embeddings = select_max_active_dims(embeddings, max_active_dims=max_active_dims)
-            if convert_to_sparse_tensor:
+            if to_sparse:
                 embeddings = embeddings.to_sparse()
-            landing.add(positions, embeddings.cpu() if save_to_cpu else embeddings)
-        if rows:
-            return torch.stack(rows)
-        empty = torch.tensor([], device="cpu" if save_to_cpu else device)
-        return empty.to_sparse() if convert_to_sparse_tensor else empty
+            return (embeddings.cpu() if to_cpu else embeddings), None
+
+        def finish(results: list, device: torch.device) -> Tensor:
+            if results:
+                return torch.stack(results)
+            empty = torch.tensor([], device="cpu" if to_cpu else device)
+            return empty.to_sparse() if to_sparse else empty
+
+        return PackRows(text_tokens(route[0].texts, prompt), rows, finish)
