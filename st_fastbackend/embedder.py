@@ -15,8 +15,7 @@ from st_fastbackend.modules import PackedTransformer
 from st_fastbackend.modules.tokenizer import DocumentTokens, TextTokenizer
 
 DOCUMENT_PROMPTS = ("document", "passage", "corpus")  # encode_document's prompt names, the first found taken
-# The model classes with more than a dense vector per text, and what the server gives for each kind.
-MODEL_KINDS = {"SparseEncoder": "sparse", "MultiVectorEncoder": "multi_vector"}
+# What the server gives for each kind of model (its class's output_kind).
 KIND_OUTPUTS = {"dense": ("sentence_embedding", "token_embeddings"), "sparse": ("sparse",),
                 "multi_vector": ("multi_vector",)}  # fmt: skip
 
@@ -36,7 +35,7 @@ class Embedder:
         self.prompts: dict[str, str] = dict(model.prompts)
         # What each pack gives per text (keys of serve/batcher.py's PACK_OUTPUTS): the first is the model's vector,
         # what its routes serve; a dense model's token embeddings are text-embeddings-inference's /embed_all.
-        self.kind: str = MODEL_KINDS.get(type(model).__name__, "dense")
+        self.kind: str = model.output_kind
         self.outputs: tuple[str, ...] = KIND_OUTPUTS[self.kind]
         self.token_output: str | None = {"dense": "token_embeddings", "multi_vector": "multi_vector"}.get(self.kind)
         self.token_dimension: int = packed.get_embedding_dimension() if self.kind == "dense" else self.dimension

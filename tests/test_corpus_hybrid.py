@@ -226,3 +226,18 @@ def test_a_text_without_tokens_stops_the_job_naming_its_id(folders, texts, tmp_p
                     "--shard-rows", 3, "--prompt", "")  # fmt: skip
     assert "the row with id 'doc-4' cannot be embedded: its text '' has no tokens" in error
     assert sorted(read_rows(tmp_path / "out")[0]) == ids[:3] and not (tmp_path / "out" / "manifest.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("model_class", "kind"), [("SparseEncoder", "sparse"), ("MultiVectorEncoder", "multi_vector")]
+)
+def test_a_subclass_is_served_and_written_as_its_kind(folders, model_class, kind):
+    """The server's outputs and the corpus job's rows follow the kind a class declares (output_kind), which a user's
+    subclass keeps; they were chosen by the class's name, so a subclass was served and written as dense."""
+    from st_fastbackend.corpus.job import DocumentEmbedder, embedder_for
+    from st_fastbackend.embedder import Embedder
+
+    subclass = type("Mine", (getattr(st_fastbackend, model_class),), {})
+    model = subclass(str(folders[model_class]), backend="fast", device="cpu")
+    assert Embedder(model).kind == kind
+    assert isinstance(embedder_for(model), DocumentEmbedder)

@@ -103,9 +103,9 @@ class DocumentRows:
     tokens: Callable[[Any, list[str], str | None], list[list[int]]]  # (model.packed_input, texts, prompt)
 
 
-DOCUMENT_ROWS = {
-    "SparseEncoder": DocumentRows(sparse_rows, lambda packed, texts, prompt: packed.texts.encode(texts, prompt)),
-    "MultiVectorEncoder": DocumentRows(
+DOCUMENT_ROWS = {  # by the model class's output_kind
+    "sparse": DocumentRows(sparse_rows, lambda packed, texts, prompt: packed.texts.encode(texts, prompt)),
+    "multi_vector": DocumentRows(
         multi_vector_rows, lambda packed, texts, prompt: packed.encode_task(texts, prompt, "document", 0)
     ),
 }
@@ -121,7 +121,7 @@ class DocumentEmbedder:
     def __init__(self, model, *, prompt: str | None = None, prompt_name: str | None = None, batch_size: int = 32,
                  max_tokens_per_batch: int | None = None) -> None:  # fmt: skip
         model.eval()
-        self.model, self.kind = model, DOCUMENT_ROWS[type(model).__name__]
+        self.model, self.kind = model, DOCUMENT_ROWS[model.output_kind]
         if prompt is None and prompt_name is None:
             prompt_name = next((name for name in DOCUMENT_PROMPTS if name in model.prompts), None)
         self.prompt = model._resolve_prompt(prompt, prompt_name) or None  # ValueError for an unknown name
@@ -139,7 +139,7 @@ class DocumentEmbedder:
 
 def embedder_for(model, *, chunking: Chunking | None = None, **options) -> TextEmbedder | DocumentEmbedder:
     """The embedder of the model's class (options: prompt, prompt_name, batch_size, max_tokens_per_batch)."""
-    if type(model).__name__ in DOCUMENT_ROWS:
+    if getattr(model, "output_kind", "dense") in DOCUMENT_ROWS:
         return DocumentEmbedder(model, **options)
     return TextEmbedder(model, chunking=chunking, **options)
 

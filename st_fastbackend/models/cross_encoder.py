@@ -28,6 +28,7 @@ from st_fastbackend.modules.scoring import PackedLogitScore, PackedScoringTransf
 class CrossEncoder(FastModel, sentence_transformers.CrossEncoder):
     fast_modules = {Transformer: PackedScoringTransformer, LogitScore: PackedLogitScore}
     inference_call = "predict"
+    output_kind = "scores"
     prompt_reuse = False  # the prompt alone is not what pairs share: the tokens they begin with are (prefix_reuse)
     # On a causal-LM reranker the tokens every pair of a call begins with (a chat template's head and instruction,
     # rank()'s query) are computed once (PackedScoringTransformer.shared_prefix); False runs them with every pair.

@@ -52,6 +52,9 @@ class PackRows:
 class FastModel:
     fast_modules: ClassVar[dict[type, type]] = {}  # sentence-transformers' module class -> ours
     inference_call: ClassVar[str] = "encode"  # the method whose options errors name
+    # What a text's row is, declared by the class (a subclass keeps it): the server's outputs and the corpus job's
+    # rows are chosen by it (embedder.py, corpus/job.py), never by a class's name.
+    output_kind: ClassVar[str] = "dense"
     _max_tokens_per_batch: int | None = None
     _placed: tuple[str, torch.device] | None = None  # (the device asked, where every tensor was found), until a move
     # A prompt shared by the texts of a call (or a server batch) is computed once, on causal decoders

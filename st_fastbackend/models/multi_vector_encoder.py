@@ -23,6 +23,7 @@ from st_fastbackend.modules.multi_vector import PackedMultiVectorMask, PackedMul
 class MultiVectorEncoder(FastModel, sentence_transformers.MultiVectorEncoder):
     fast_modules = {Transformer: PackedMultiVectorTransformer, MultiVectorMask: PackedMultiVectorMask}
     prompt_reuse = False  # engine/prefix.py is for causal decoders, and a prompt's tokens are among the vectors
+    output_kind = "multi_vector"
 
     def _check_fast_pipeline(self, modules: list) -> None:
         super()._check_fast_pipeline(modules)

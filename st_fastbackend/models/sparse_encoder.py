@@ -45,6 +45,7 @@ class PackedSparseInput(PackedTransformer):
 
 
 class SparseEncoder(FastModel, sentence_transformers.SparseEncoder):
+    output_kind = "sparse"
     fast_modules = {Transformer: PackedSparseInput, MLMTransformer: PackedMaskedLM, Pooling: PackedPooling,
                     SpladePooling: PackedSpladePooling}  # fmt: skip
     prompt_reuse = False  # engine/prefix.py is for causal decoders; SPLADE and CSR sit on encoders
