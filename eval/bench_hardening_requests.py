@@ -65,7 +65,8 @@ def chunking_attack(url: str, pid: int, texts: list[str], scale: float) -> dict:
 
 def probed(pid: int, send: Callable[[], httpx.Response], probe: Callable[[], httpx.Response]) -> dict:
     """send()'s status and seconds, PROBES probes alone then probes from 0.3 s after send() until it is answered,
-    and the server's RSS before and 1 s after."""
+    and the server's RSS before, 1 s after, and after one more probe (the server hands freed memory back when the
+    burst its work belonged to ends: serve/batcher.py)."""
     alone = [_timed(probe) for _ in range(PROBES)]
     before = rss_mib(pid)
     with ThreadPoolExecutor(1) as pool:
@@ -82,6 +83,8 @@ def probed(pid: int, send: Callable[[], httpx.Response], probe: Callable[[], htt
         row[f"probe_{name}_median_s"] = round(statistics.median(seconds), 3)
         row[f"probe_{name}_max_s"] = round(max(seconds), 3)
     row.update(rss_before_mib=round(before), rss_after_mib=round(rss_mib(pid)))
+    _timed(probe)
+    row["rss_after_probe_mib"] = round(rss_mib(pid))
     if response.status_code != 200:
         row["message"] = response.text[:300]
     return row
