@@ -48,7 +48,7 @@ fi
 if [ "${1:-}" = "--prepare" ]; then
     DATA=${ST_FASTBACKEND_DATA_DIR:-../shared/data}
     RESOLVER=${RESOLVER:-.venv/bin/python}  # any Python >= 3.11 with pip, packaging and this package's deps
-    [ -x "$RESOLVER" ] || make setup  # a fresh clone: the project's own .venv
+    command -v "$RESOLVER" > /dev/null || make setup  # a fresh clone: the project's own .venv
     rm -rf "$CARRY"
     mkdir -p "$CARRY/data/scifact/qrels" "$CARRY/tokenizer"
     cp "$DATA"/wikitext2/wikitext2_test_paragraphs.jsonl "$DATA"/wikitext2/wikitext2_test_articles.jsonl "$CARRY/data/"

@@ -24,6 +24,9 @@ class Embedder:
     def __init__(self, model: SentenceTransformer) -> None:
         if not isinstance(getattr(model, "packed_input", None), PackedTransformer):
             raise TypeError('Embedder needs a model loaded with backend="fast".')
+        if model.output_kind not in KIND_OUTPUTS:
+            raise TypeError(f"Embedder serves {', '.join(KIND_OUTPUTS)} models; a {type(model).__name__} gives "
+                            f"{model.output_kind} (serve/rerank.py's Reranker serves it).")  # fmt: skip
         self._model = model
         packed = model.packed_input
         self.texts: TextTokenizer = packed.texts

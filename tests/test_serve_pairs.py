@@ -180,3 +180,18 @@ def test_long_documents_hold_up_no_one(wordpiece_server):
         [(body["query"], d) for d in documents[:8]]
     )
     np.testing.assert_allclose([scores[i] for i in range(8)], expected, atol=1e-6, rtol=0)
+
+
+def test_a_tokenizers_release_that_cuts_pairs_otherwise_is_refused_and_embedder_is_not_a_reranker(built, monkeypatch):
+    """The server cuts pairs as tokenizers >= 0.23.3 does; an older release (installed without the serve extra) is
+    named at start, not left to give other scores than predict(). A cross-encoder is the Reranker's, not Embedder's."""
+    import tokenizers
+
+    from st_fastbackend.embedder import Embedder
+
+    model = CrossEncoder(str(built("bert")), backend="fast", device=DEVICE)
+    with pytest.raises(TypeError, match="CrossEncoder gives scores"):
+        Embedder(model)
+    monkeypatch.setattr(tokenizers, "__version__", "0.23.2")
+    with pytest.raises(RuntimeError, match=r"tokenizers 0.23.2: the server cuts rerank pairs as tokenizers >= 0.23.3"):
+        PairReader(model[0])

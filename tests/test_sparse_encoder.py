@@ -148,6 +148,9 @@ def test_inference_free_splade(splade_folder, texts):
     plain, fast = load_both(splade_folder("bert", router=True))
     assert_same(plain.encode_query(texts[:8]), fast.encode_query(texts[:8]))
     assert_same(plain.encode_document(texts[:8]), fast.encode_document(texts[:8]))
+    for encode in (fast.encode_query, fast.encode_document):  # the static route too: refused, never ignored
+        with pytest.raises(UnsupportedModelError, match=r"processing_kwargs in encode\(\)"):
+            encode(texts[:2], processing_kwargs={"text": {"max_length": 4}})
 
 
 def test_csr(tmp_path, texts):

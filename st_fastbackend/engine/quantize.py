@@ -98,7 +98,7 @@ def dequantize(sums: Tensor, scale: Tensor, bias: Tensor | None, activation: nn.
 def product(x: Tensor, packed: QPacked, activation: nn.Module | None = None, compiled: bool = True) -> Tensor:
     """activation(x @ weight.T + bias) for x [..., in] in any float dtype: fp32 [..., out]. In eager PyTorch the
     passes around the kernel cost more than the int8 product itself; compiled into one kernel each, as the layer
-    seams are (engine/fused.py), they pay (eval/RESULTS.md, "2026-12-02 05:10 — int8 products"). Packs under
+    seams are (engine/fused.py), they pay (eval/RESULTS.md, "2026-12-01 (night) — int8 products"). Packs under
     fused.MIN_TOKENS tokens run them eagerly, as the seams do; `compiled=False` always (passes_compiled, decided
     at load)."""
     shape = x.shape[:-1]

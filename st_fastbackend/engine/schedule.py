@@ -27,12 +27,12 @@ class Schedule:
         self.model, self.prompt, self.device = model, prompt, device
         self.max_texts, self.max_tokens = max_texts, max_tokens
         self.prefix = model.prompt_prefix(prompt)  # computed at its first use, then shared by every pack
-        # Read once per schedule (an encode() call, a server batch): a change of PyTorch's setting for fp32
-        # products since the last one is followed from here on, as plain sentence-transformers follows it.
-        self.runtime = model.packed_input.runtime
 
     def run(self, sequences: list[list[int]], **kwargs) -> Iterator[tuple[list[int], dict]]:
-        """Longest first (equal lengths side by side, which the CPU attention runs as one call)."""
+        """Longest first (equal lengths side by side, which the CPU attention runs as one call). A change of
+        PyTorch's setting for fp32 products is followed from here on (one read per run: a chunk of an encode()
+        call, a server batch), as plain sentence-transformers follows it."""
+        self.model.packed_input.refresh_runtime()
         for prefix, own in self._groups(sequences):
             order = sorted(own, key=lambda i: -len(own[i]))
             for pack in plan_batches([len(own[i]) for i in order], self.max_texts, self.max_tokens):

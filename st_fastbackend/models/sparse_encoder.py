@@ -22,7 +22,7 @@ from sentence_transformers.util import select_max_active_dims
 from torch import Tensor
 
 from st_fastbackend.engine.spec import UnsupportedModelError
-from st_fastbackend.models.fast import FastModel, PackRows, default_module_kwargs, text_tokens
+from st_fastbackend.models.fast import FastModel, PackRows, check_budget, default_module_kwargs, text_tokens
 from st_fastbackend.modules import PackedPooling, PackedTransformer
 from st_fastbackend.modules.files import architectures
 from st_fastbackend.modules.options import task_config
@@ -109,8 +109,11 @@ class SparseEncoder(FastModel, sentence_transformers.SparseEncoder):
 
     def _packed_inference(self, inputs: list, **kwargs) -> Tensor:
         """encode(): FastModel's loop with this class's row rule; a route without the packed engine (a
-        SparseStaticEmbedding) runs sentence-transformers' own."""
+        SparseStaticEmbedding) runs sentence-transformers' own (processing_kwargs refused there too, as everywhere)."""
         if not isinstance(self._route(kwargs.get("task"))[0], PackedTransformer):
+            if kwargs.pop("processing_kwargs", None):
+                raise UnsupportedModelError("processing_kwargs in encode()")
+            check_budget(kwargs.pop("max_tokens_per_batch", None))  # (nothing to bound there: no packs)
             return sentence_transformers.SparseEncoder._inference(self, inputs, **kwargs)
         return super()._packed_inference(inputs, **kwargs)
 

@@ -134,8 +134,12 @@ class PackedTransformer(InputModule):
     def runtime(self) -> Runtime:
         """The attention kernel with its capabilities, and the dtype of the matrix products, for the model's device
         and dtype: decided at load, at each move (_apply) and when compiled_seams is set, and passed down to every
-        layer. Reading it also follows PyTorch's setting of fp32 products on a CPU, as plain sentence-transformers
-        does: every schedule reads it once (an encode() call, a server batch), no pack or product does."""
+        layer; here as PyTorch's setting of fp32 products is now (refresh_runtime)."""
+        return self.refresh_runtime()
+
+    def refresh_runtime(self) -> Runtime:
+        """The runtime, decided again if PyTorch's setting of fp32 products on a CPU changed since: engine/schedule.py
+        asks once per run (an encode() call's chunk, a server batch), no pack or product does."""
         if self._products_setting != onednn.bf16_products_allowed():
             self._decide()
         return self._runtime
@@ -248,7 +252,7 @@ class PackedTransformer(InputModule):
     def train(self, mode: bool = True) -> PackedTransformer:
         """As nn.Module.train, except that the engine's own modules stay in eval mode: none of them acts differently
         in training (no dropout, no batch statistics), and encode() sets the mode at every call: a visible part of
-        a one-text call for a model of many small modules (eval/RESULTS.md, short calls)."""
+        a one-text call for a model of many small modules (eval/RESULTS.md, "2026-12-02 07:30 — one short text")."""
         self.training = mode
         for child in self.children():
             if child is not self.model:

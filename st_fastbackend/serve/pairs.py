@@ -21,10 +21,15 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+import tokenizers
+from packaging.version import Version
+
 from st_fastbackend.modules.scoring import PackedScoringTransformer, longest_first
 from st_fastbackend.modules.tokenizer import clip_text
 from st_fastbackend.serve.errors import ApiError
 from st_fastbackend.serve.tokens import SLACK, InputError, RequestTokenizer, max_text_chars
+
+LONGEST_FIRST_SINCE = "0.23.3"  # the longest_first rule modules/scoring.py follows (pyproject.toml's serve extra)
 
 
 @dataclass
@@ -43,6 +48,10 @@ class PairReader:
     """What the request tokenizer's thread runs for a rerank request, on the model's first module."""
 
     def __init__(self, scoring: PackedScoringTransformer) -> None:
+        if Version(tokenizers.__version__) < Version(LONGEST_FIRST_SINCE):
+            raise RuntimeError(f"tokenizers {tokenizers.__version__}: the server cuts rerank pairs as tokenizers >= "
+                               f"{LONGEST_FIRST_SINCE} does (0.23.2 cuts some differently); pip install "
+                               "'st_fastbackend[serve]' brings it.")  # fmt: skip
         self.scoring, self.texts = scoring, scoring.texts
         self.max_length = scoring.tokenizer.model_max_length
         self.max_chars = max_text_chars(scoring.tokenizer, self.max_length)
