@@ -132,8 +132,7 @@ class FastModel:
         """The inner loop of every class's encode() or predict() on packed batches (packed_runs): the class's row rule
         (pack_rows, which takes the options it knows and checks them before the inputs are) makes each pack's
         outputs rows, in the caller's order; what it leaves of `options` (a task) goes to the modules."""
-        if processing_kwargs:  # the packed tokenizer is the model's own, as loaded
-            raise UnsupportedModelError(f"processing_kwargs in {self.inference_call}()")
+        self.refuse_processing_kwargs(processing_kwargs)
         rule = self.pack_rows(prompt, options)
         device, max_tokens = self._inference_start(inputs, device, max_tokens_per_batch)
         results: list = [None] * len(inputs)
@@ -145,6 +144,11 @@ class FastModel:
             landing.add(positions, *rule.rows(out))
         landing.finish()
         return rule.finish(results, device)
+
+    def refuse_processing_kwargs(self, processing_kwargs: dict | None) -> None:
+        """The packed path tokenizes with the model's tokenizer as loaded: processing_kwargs would be ignored."""
+        if processing_kwargs:
+            raise UnsupportedModelError(f"processing_kwargs in {self.inference_call}()")
 
     def pack_rows(self, prompt: str | None, options: dict) -> PackRows:
         """The class's row rule for a call with these options (it pops those it takes)."""

@@ -110,23 +110,22 @@ class SentenceTransformer(FastModel, sentence_transformers.SentenceTransformer):
         device: str | torch.device | None = None, max_tokens_per_batch: int | None = None, **kwargs,
     ) -> Tensor:  # fmt: skip
         """encode(chunking=...): one vector per text, its chunks' aggregate."""
-        if kwargs.pop("processing_kwargs", None):
-            raise UnsupportedModelError("processing_kwargs in encode()")
+        self.refuse_processing_kwargs(kwargs.pop("processing_kwargs", None))
         device, max_tokens = self._inference_start(inputs, device, max_tokens_per_batch)
         run = {"device": device, "batch_size": batch_size, "max_tokens": max_tokens,
                "show_progress_bar": show_progress_bar, **kwargs}  # fmt: skip
-        normalize, to_cpu = normalize_embeddings, save_to_cpu
         if chunking.aggregate is None:
             raise ValueError("encode(chunking=Chunking(aggregate=None)) gives several vectors per text: call "
                              "encode_chunks(), or give Chunking.aggregate ('mean', 'max' or 'first').")  # fmt: skip
         if output_value != "sentence_embedding":
             raise ValueError(f"encode(chunking=...) gives sentence embeddings; output_value={output_value!r} with it.")
-        found = chunk_vectors(self, inputs, chunking, prompt, _chunk_rows(truncate_dim, normalize), to_cpu, **run)
-        if run["device"].type == "cuda":
-            torch.cuda.synchronize(run["device"])
-        normalizes = pipeline_normalizes(self, normalize)
+        pack_rows = _chunk_rows(truncate_dim, normalize_embeddings)
+        found = chunk_vectors(self, inputs, chunking, prompt, pack_rows, save_to_cpu, **run)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        normalizes = pipeline_normalizes(self, normalize_embeddings)
         vectors = [aggregate(rows, spans, chunking.aggregate, normalizes) for rows, spans, _ in found]
-        return torch.stack(vectors) if vectors else torch.tensor([], device=run["device"])
+        return torch.stack(vectors) if vectors else torch.tensor([], device=device)
 
     def get_model_kwargs(self) -> list[str]:
         return [*super().get_model_kwargs(), *(["chunking"] if self.backend == "fast" else [])]

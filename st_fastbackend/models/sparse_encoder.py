@@ -111,8 +111,7 @@ class SparseEncoder(FastModel, sentence_transformers.SparseEncoder):
         """encode(): FastModel's loop with this class's row rule; a route without the packed engine (a
         SparseStaticEmbedding) runs sentence-transformers' own (processing_kwargs refused there too, as everywhere)."""
         if not isinstance(self._route(kwargs.get("task"))[0], PackedTransformer):
-            if kwargs.pop("processing_kwargs", None):
-                raise UnsupportedModelError("processing_kwargs in encode()")
+            self.refuse_processing_kwargs(kwargs.pop("processing_kwargs", None))
             check_budget(kwargs.pop("max_tokens_per_batch", None))  # (nothing to bound there: no packs)
             return sentence_transformers.SparseEncoder._inference(self, inputs, **kwargs)
         return super()._packed_inference(inputs, **kwargs)
