@@ -176,7 +176,7 @@ def test_concurrent_clients_get_their_own_embeddings(server, model, texts):
 
 
 def test_sigterm_finishes_in_flight_requests(served_folder, texts):
-    process, url = start_server(served_folder, "--max-batch-size", "1000")
+    process, url = start_server(served_folder, "--max-batch-size", "1000", "--max-request-tokens", "1000000")
     many = [t for t in texts if t] * 20
     with ThreadPoolExecutor(4) as executor:
         futures = [

@@ -21,7 +21,8 @@ from st_fastbackend.modules.tokenizer import clip_text
 
 # A request of up to 2,000 inputs is one pack, however long it runs: what arrives meanwhile waits for it and
 # is then taken together (busy_worker), so a batch that fails and requests that leave in time are tested.
-ONE_PACK = ("--max-batch-size", "2000", "--max-tokens-per-batch", "1000000", "--max-pack-seconds", "1000")
+MANY = ("--max-request-tokens", "1000000")  # more than the default on a CPU (32 full-length inputs)
+ONE_PACK = ("--max-batch-size", "2000", "--max-tokens-per-batch", "1000000", "--max-pack-seconds", "1000", *MANY)
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +199,7 @@ def test_after_a_device_error_the_cli_answers_503_and_exits_1(served_folder, kin
     """A CUDA error poisons the process: no rerun request by request, a 503, and the server exits with 1."""
     flag = tmp_path / "fail"
     launcher = ("-c", FAILING_FORWARD.replace("ERROR", DEVICE_ERRORS[kind]))
-    process, url = start_server(served_folder, launcher=launcher, env={"FAIL_AFTER": str(flag)})
+    process, url = start_server(served_folder, *MANY, launcher=launcher, env={"FAIL_AFTER": str(flag)})
     try:
         assert httpx.post(f"{url}/v1/embeddings", json={"input": "before"}, timeout=60).status_code == 200
         flag.touch()  # one request only: the server stops listening at once, so a later one may find no port
@@ -276,7 +277,7 @@ def test_fill_pack_takes_a_sequence_of_each_job_in_turn_least_recently_served_fi
 def minilm_server():
     from helpers import minilm_path
 
-    process, url = start_server(minilm_path())
+    process, url = start_server(minilm_path(), "--max-request-tokens", str(256 * 256))
     yield url
     process.terminate()
     process.wait(30)
@@ -312,7 +313,7 @@ def test_a_probe_waits_for_one_pack_not_for_a_request_of_256_texts_of_256_tokens
 
 
 def test_a_request_whose_client_leaves_stops_before_its_next_pack(served_folder):
-    process, url = start_server(served_folder, "--max-batch-size", "3000", "--max-tokens-per-batch", "256")
+    process, url = start_server(served_folder, "--max-batch-size", "3000", "--max-tokens-per-batch", "256", *MANY)
     try:
         texts = [long_text(60, seed) for seed in range(3000)]
         body = json.dumps({"input": texts}).encode()

@@ -1,5 +1,5 @@
 """The bound on one request's model work (issue 44 item 3): chunks' and late-chunking windows' tokens counted against
---max-request-tokens (default --max-batch-size x --max-input-tokens), a 413 naming it as soon as the tokens read pass
+--max-request-tokens (by default 32 full-length inputs on a CPU, --max-batch-size's on a GPU), a 413 naming it as soon as the tokens read pass
 it; a chunked text read a piece at a time on the server gives encode_chunks' chunks; and on a real server the trial's
 2M-character text with "chunking": {"tokens": 128} refused within seconds while a probe waits no longer than alone."""
 
@@ -9,13 +9,13 @@ import random
 import httpx
 import pytest
 from builders import WORDS
-from helpers import TOLERANCE, max_diff
+from helpers import DEVICE, TOLERANCE, max_diff
 from serving import HEADERS, app_client, assert_fair, probed, rss_bytes, rss_grown
 
 from st_fastbackend import Chunking, SentenceTransformer
 from st_fastbackend.cli.serve import add_serve
 from st_fastbackend.serve import chunked, tokens
-from st_fastbackend.serve.limits import Limits
+from st_fastbackend.serve.limits import Limits, default_request_tokens
 
 LONG = " ".join(f"word{i} is here, and so is its neighbour number {i * 7}." for i in range(60))
 
@@ -43,7 +43,14 @@ def test_chunks_past_the_request_tokens_are_a_413_naming_the_bound(folder):
         assert plain.status_code == 413 and "the limit is 400 (--max-request-tokens)" in plain.text
 
 
-def test_the_default_bound_is_batch_size_times_input_tokens(folder):
+def test_the_default_bound_is_32_full_length_inputs_on_a_cpu_and_the_batch_size_on_a_gpu(folder):
+    assert default_request_tokens("cpu", 256, 512) == 32 * 512
+    assert default_request_tokens("cpu", 4, 512) == 4 * 512
+    assert default_request_tokens("cuda", 256, 512) == 256 * 512
+    with app_client(folder, max_batch_size=64, max_input_tokens=16) as client:  # app_client serves on the CPU
+        refused = post(client, {"input": [LONG * 2], "chunking": {"tokens": 32}})
+        assert refused.status_code == 413 and "the limit is 512 (--max-request-tokens)" in refused.text
+        assert post(client, {"input": [LONG[:400]], "chunking": {"tokens": 8}}).status_code == 200
     with app_client(folder, max_batch_size=4, max_input_tokens=64) as client:
         refused = post(client, {"input": [LONG * 2], "chunking": {"tokens": 32}})
         assert refused.status_code == 413 and "the limit is 256 (--max-request-tokens)" in refused.text
@@ -55,7 +62,8 @@ def test_the_option_and_its_default_are_in_the_help():
     add_serve(parser)
     help_text = " ".join(parser.format_help().split())
     assert "--max-request-tokens MAX_REQUEST_TOKENS tokens of model work one request may hold" in help_text
-    assert "Default: --max-batch-size x --max-input-tokens" in help_text
+    assert "Default on a CPU: 32 full- length inputs" in help_text
+    assert "on a GPU: --max-batch-size x --max-input-tokens" in help_text
 
 
 def test_a_text_read_in_many_pieces_gives_encode_chunks(folder, monkeypatch):
@@ -80,7 +88,7 @@ def test_a_text_read_in_many_pieces_gives_encode_chunks(folder, monkeypatch):
 
 def test_two_million_characters_to_chunk_hold_up_no_one(minilm_server):
     """The trial: no answer within 240 s, a probe at 2 s median, 6 s at most. The text is read a task of 32,768
-    characters at a time and refused once its chunks pass 65,536 tokens (256 inputs x 256 tokens)."""
+    characters at a time and refused once its chunks pass the default bound (8,192 tokens on a CPU)."""
     process, url = minilm_server
     text = " ".join(random.Random(3).choices(WORDS, k=400_000))[:1_990_000]
     body = {"input": [text], "chunking": {"tokens": 128}}
@@ -89,6 +97,7 @@ def test_two_million_characters_to_chunk_hold_up_no_one(minilm_server):
     before = rss_bytes(process.pid)
     response, seconds, alone, during = probed(send, probe)
     assert response.status_code == 413 and seconds < 5.0, (response.text, seconds)
-    assert "the limit is 65,536 (--max-request-tokens)" in response.json()["error"]["message"]
+    bound = default_request_tokens(DEVICE, 256, 256)
+    assert f"the limit is {bound:,} (--max-request-tokens)" in response.json()["error"]["message"]
     assert_fair(alone, during)
     assert rss_grown(process.pid, before) < 50 * 2**20

@@ -37,8 +37,9 @@ def add_serve(serve: argparse.ArgumentParser) -> None:
                        help="characters of all inputs of one request together; 413 past this")  # fmt: skip
     serve.add_argument("--max-request-tokens", type=positive, default=None,
                        help="tokens of model work one request may hold (its inputs, chunks, late-chunking windows or "
-                            "rerank pairs together); 413 past this. Default: --max-batch-size x --max-input-tokens, "
-                            "the most a request without chunking holds")  # fmt: skip
+                            "rerank pairs together); 413 past this. Default on a CPU: 32 full-length inputs (32, or "
+                            "--max-batch-size if fewer, x --max-input-tokens; TEI's default client batch, seconds of "
+                            "model work); on a GPU: --max-batch-size x --max-input-tokens")  # fmt: skip
     serve.add_argument("--body-timeout", type=float, default=Limits.body_timeout,
                        help="seconds for a request body to arrive; 408 past this")  # fmt: skip
     serve.add_argument("--max-pack-seconds", type=float, default=0.25,

@@ -16,7 +16,7 @@ from st_fastbackend.serve import cohere, sparse, tei
 from st_fastbackend.serve.batcher import PACK_SECONDS, Batcher, Job
 from st_fastbackend.serve.errors import ErrorResponses, add_error_handlers
 from st_fastbackend.serve.guard import Guard
-from st_fastbackend.serve.limits import Limits
+from st_fastbackend.serve.limits import Limits, default_request_tokens
 from st_fastbackend.serve.metrics import Metrics
 from st_fastbackend.serve.rerank import Reranker, is_cross_encoder, rerank_routes
 from st_fastbackend.serve.routes import Served, routes
@@ -52,7 +52,8 @@ def create_app(
     adapter = Reranker if cross_encoder else Embedder
     limits, metrics, embedder = limits or Limits(), Metrics(), adapter(model)
     if limits.max_request_tokens is None:
-        limits = dataclasses.replace(limits, max_request_tokens=max_batch_size * max_input_tokens)
+        default = default_request_tokens(embedder.device.type, max_batch_size, max_input_tokens)
+        limits = dataclasses.replace(limits, max_request_tokens=default)
     batcher = Batcher(embedder, max_tokens_per_batch, max_batch_size, metrics, dynamic_batching,
                       pack_seconds=pack_seconds)  # fmt: skip
     tokenizer = RequestTokenizer(embedder, max_input_tokens)

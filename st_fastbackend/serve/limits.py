@@ -11,8 +11,19 @@ class Limits:
     max_request_chars: int = 2_000_000  # all inputs of one request together
     body_timeout: float = 30.0  # seconds for the whole body to arrive
     # Tokens of model work one request may hold: its inputs, chunks, late-chunking windows or rerank pairs together.
-    # None: --max-batch-size x --max-input-tokens, the most a request without chunking holds (create_app decides).
+    # None: default_request_tokens (create_app decides, once it knows the device).
     max_request_tokens: int | None = None
+
+
+# On a CPU a request holds at most this many full-length inputs by default: TEI's default --max-client-batch-size,
+# seconds of model work on a few cores (eval/RESULTS.md, "every request bounded (issue 44)"). On a GPU the same
+# tokens take a fraction of a second, and the default is --max-batch-size's.
+CPU_REQUEST_INPUTS = 32
+
+
+def default_request_tokens(device_type: str, max_batch_size: int, max_input_tokens: int) -> int:
+    inputs = min(max_batch_size, CPU_REQUEST_INPUTS) if device_type == "cpu" else max_batch_size
+    return inputs * max_input_tokens
 
 
 @dataclass(frozen=True)
