@@ -1,7 +1,8 @@
 """The bound on one request's model work (issue 44 item 3): chunks' and late-chunking windows' tokens counted against
---max-request-tokens (by default 32 full-length inputs on a CPU, --max-batch-size's on a GPU), a 413 naming it as soon as the tokens read pass
-it; a chunked text read a piece at a time on the server gives encode_chunks' chunks; and on a real server the trial's
-2M-character text with "chunking": {"tokens": 128} refused within seconds while a probe waits no longer than alone."""
+--max-request-tokens (by default 32 full-length inputs on a CPU, --max-batch-size's on a GPU), a 413 naming it as
+soon as the tokens read pass it; a chunked text read a piece at a time on the server gives encode_chunks' chunks;
+and on a real server the trial's 2M-character text with "chunking": {"tokens": 128} refused within seconds while a
+probe waits no longer than alone."""
 
 import argparse
 import random
