@@ -35,8 +35,8 @@ suite() {
                     test_serve_guard.py test_serve_connections.py test_sentence_transformers_hooks.py
                     test_layouts.py test_int8.py test_chunking.py test_cross_encoder_serve.py test_host_memory.py)
     local skip=" ${cpu_only[*]} " module
-    for module in "${first[@]}" $(cd tests && ls test_*.py); do
-        case "$skip" in *" $module "*) ;; *) skip+="$module "; echo "tests/$module";; esac
+    for module in "${first[@]}" $(find tests -name "test_*.py" -printf "%f\n" | sort); do
+        case "$skip" in *" $module "*) ;; *) skip+="$module "; find tests -name "$module";; esac
     done
 }
 

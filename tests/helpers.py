@@ -41,7 +41,8 @@ def max_diff(a, b) -> float:
     return float(np.nan_to_num(diff, nan=np.inf).max())
 
 
-DATA_DIR = Path(os.environ.get("ST_FASTBACKEND_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "data"))
+REPO = Path(__file__).resolve().parents[1]  # the repository (tests/ holds this file, its folders the tests)
+DATA_DIR = Path(os.environ.get("ST_FASTBACKEND_DATA_DIR", REPO.parent / "shared" / "data"))
 needs_data = pytest.mark.skipif(
     not (DATA_DIR / "stsb").is_dir(),
     reason=f"real evaluation data not found at {DATA_DIR} (set ST_FASTBACKEND_DATA_DIR)",

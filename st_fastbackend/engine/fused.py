@@ -2,7 +2,7 @@
 norms around it (fp32 statistics), q/k norm with the rotation, a gated activation. Each runs eagerly, or
 compiled by torch.compile into one kernel where the engine's Runtime says `fused` (by default on CUDA only,
 ON_BY_DEFAULT); the same code either way, so the eager functions are also the reference for the compiled
-ones (tests/test_fused.py).
+ones (tests/engine/test_fused.py).
 
 Compiled once per process for every model of a dtype and device (dynamic shapes; hidden sizes and head
 counts are not baked in), and kept in PyTorch's compile cache on disk, so a second process starts faster.

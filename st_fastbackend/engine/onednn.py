@@ -21,7 +21,7 @@ from torch import Tensor, nn
 logger = logging.getLogger(__name__)
 
 # transformers' activation name (config.hidden_act) -> the oneDNN post-op computing the same function
-# (attribute, algorithm); equal to transformers' ACT2FN within 5e-7 (tests/test_layers.py).
+# (attribute, algorithm); equal to transformers' ACT2FN within 5e-7 (tests/engine/test_layers.py).
 ACTIVATIONS = {
     "gelu": ("gelu", "none"),  # erf
     "gelu_new": ("gelu", "tanh"),
@@ -89,7 +89,7 @@ def product_rows(rows: int) -> int:
     with PyTorch's own cache of their descriptors, up to 1,024 shapes in each cache: packs of every token
     count filled them (RSS +700 MB over 1,200 small encode calls, eval/bench_memory.py). With these
     sizes a product has at most 56 shapes up to 8,192 tokens. A row's result does not depend on the
-    rows around it (tests/test_layers.py), so the zero rows added change no number."""
+    rows around it (tests/engine/test_layers.py), so the zero rows added change no number."""
     step = max(16, 1 << max(0, (rows - 1).bit_length() - 4))
     return -(-rows // step) * step
 
@@ -99,7 +99,7 @@ def padded(x: Tensor, dtype: torch.dtype) -> Tensor:
     first T rows of a buffer with room for the rest (a product's own output, as the MLP's first product
     hands it to the second; attention's output, engine/attention.py), the buffer's next rows as they stand:
     no copy. Else one copy, with zero rows appended. The appended rows' values change no number of x's rows
-    (a row's result does not depend on the rows around it, tests/test_layers.py), whatever they hold."""
+    (a row's result does not depend on the rows around it, tests/engine/test_layers.py), whatever they hold."""
     rows = product_rows(x.shape[0])
     if rows == x.shape[0]:
         return x.to(dtype)

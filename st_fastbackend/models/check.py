@@ -21,9 +21,9 @@ from st_fastbackend.models.probes import Case, Probing, probing_for
 # The contract, in one place (DESIGN.md "Correctness contract"):
 EXACT = 1e-5  # fp32: max |fast - plain| on unit-norm embeddings, or on predict()'s scores
 # bf16/fp16 (the model's dtype, or an fp32 model's products): the error against plain fp32 at most this many times
-# plain sentence-transformers' own in that dtype (DESIGN.md's ~3x; tests/test_bf16.py asserts 2x over 40 texts).
+# plain sentence-transformers' own in that dtype (DESIGN.md's ~3x; tests/engine/test_bf16.py asserts 2x over 40 texts).
 LOW_PRECISION_FACTOR = 3.0
-# int8 products: 1 - cosine against plain fp32 (tests/test_int8.py; README: 1.8e-2 the worst of STS-B's texts).
+# int8 products: 1 - cosine against plain fp32 (tests/engine/test_int8.py; README: 1.8e-2 the worst of STS-B's texts).
 INT8_ONE_MINUS_COS = 2e-2
 
 

