@@ -253,13 +253,16 @@ def test_server_late_chunking(st_model, family):
     from serving import HEADERS, KEY
 
     from st_fastbackend.serve.app import create_app
+    from st_fastbackend.serve.limits import Limits
 
     # "query: " would merge its space into the text's first token with this tokenizer: chunks refuse such prompts
     folder = st_model(family, pooling_mode="mean", prompts={"query": "query:"})
     model = SentenceTransformer(str(folder), backend="fast", device="cpu")
     texts, limit = [LONG, LONG[:300], "short text"], 64
+    # LONG's windows hold more than 32 inputs of 64 tokens, the default bound on a CPU
     app = create_app(SentenceTransformer(str(folder), backend="fast", device="cpu"), "tiny", max_tokens_per_batch=4096,
-                     max_batch_size=64, max_input_tokens=limit, api_key=KEY)  # fmt: skip
+                     max_batch_size=64, max_input_tokens=limit, api_key=KEY,
+                     limits=Limits(max_request_tokens=64 * limit))  # fmt: skip
     chunking = {"tokens": 20, "overlap": 4, "late": True}
     with TestClient(app) as client:
         post = lambda body: client.post("/v1/embeddings", json=body, headers=HEADERS)  # noqa: E731
