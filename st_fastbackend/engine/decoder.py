@@ -119,11 +119,6 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.norm_eps, spec.norm_offset)
         self.rotary = nn.ModuleDict({key: Rotary(*table) for key, table in spec.rotaries.items()})
 
-    @property
-    def reuses_prefix(self) -> bool:
-        """A prompt's states do not depend on what follows it only under causal attention."""
-        return self.spec.causal
-
     def forward(self, batch: PackedBatch, runtime: Runtime, prefix: Prefix | None = None) -> Tensor:
         """Token ids [T] -> final hidden states [T, hidden]. With `prefix`: the prompt's own pass while its
         states are not yet there (every layer keeps its keys and values), else the texts after it."""

@@ -187,10 +187,6 @@ class DistilBert(Encoder):
     stack, layer_class = "transformer", DistilBertLayer
 
 
-# model_type -> its engine, where that is not Encoder.
-ENCODER_CLASSES: dict[str, type[Encoder]] = {"distilbert": DistilBert}
-
-
 class ModernBertEmbeddings(nn.Module):
     def __init__(self, spec: ModernBertSpec) -> None:
         super().__init__()

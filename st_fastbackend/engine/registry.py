@@ -1,4 +1,4 @@
-"""model_type -> the engine that runs it; anything else is refused by name."""
+"""model_type -> its family (engine/families.py) and the engine that runs it; anything else is refused by name."""
 
 from __future__ import annotations
 
@@ -6,33 +6,24 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from st_fastbackend.engine.decoder import Decoder
-from st_fastbackend.engine.encoder import ENCODER_CLASSES, Encoder, ModernBert
-from st_fastbackend.engine.spec import (
-    DECODER_FAMILIES,
-    ENCODER_FAMILIES,
-    MODERNBERT_FAMILIES,
-    DecoderSpec,
-    EncoderSpec,
-    ModernBertSpec,
-    UnsupportedModelError,
-)
+from st_fastbackend.engine.families import FAMILIES, Family
+from st_fastbackend.engine.spec import UnsupportedModelError
 
-SUPPORTED_MODEL_TYPES = sorted([*DECODER_FAMILIES, *ENCODER_FAMILIES, *MODERNBERT_FAMILIES])
+SUPPORTED_MODEL_TYPES = sorted(FAMILIES)
 
 
-def build_engine(config: PretrainedConfig) -> nn.Module:
-    """The engine for `config`, on the meta device: no memory until the checkpoint's tensors are assigned."""
-    if config.model_type in DECODER_FAMILIES:
-        engine_class, spec = Decoder, DecoderSpec.from_config(config)
-    elif config.model_type in ENCODER_FAMILIES:
-        engine_class, spec = ENCODER_CLASSES.get(config.model_type, Encoder), EncoderSpec.from_config(config)
-    elif config.model_type in MODERNBERT_FAMILIES:
-        engine_class, spec = ModernBert, ModernBertSpec.from_config(config)
-    else:
+def family_of(config: PretrainedConfig) -> Family:
+    if config.model_type not in FAMILIES:
         raise UnsupportedModelError(
             f"model_type {config.model_type!r} (architectures {config.architectures}; "
             f"the fast backend runs {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
+    return FAMILIES[config.model_type]
+
+
+def build_engine(config: PretrainedConfig) -> nn.Module:
+    """The engine for `config`, on the meta device: no memory until the checkpoint's tensors are assigned."""
+    family = family_of(config)
+    spec = family.spec.from_config(config, **family.flags)
     with torch.device("meta"):
-        return engine_class(spec)
+        return family.engine(spec)

@@ -23,31 +23,14 @@ class UnsupportedModelError(ValueError):
         )
 
 
-# Decoder families differ only in these flags: True/False, or the config field that decides.
-DECODER_FAMILIES: dict[str, dict[str, bool | str]] = {
-    "llama": dict(qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias="mlp_bias", qk_norm=False),
-    "mistral": dict(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False),
-    "qwen2": dict(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False),
-    "qwen3": dict(qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False, qk_norm=True),
-    # Gemma 3 (transformers' Gemma3TextModel): every norm times (1 + weight), norms after the attention and
-    # the MLP too, embeddings times sqrt(hidden); EmbeddingGemma sets use_bidirectional_attention.
-    "gemma3_text": dict(
-        qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False, qk_norm=True,
-        norm_offset=True, sandwich_norms=True, scaled_embeddings=True, bidirectional="use_bidirectional_attention",
-    ),
-}  # fmt: skip
-# What a family above does not say: Llama's.
+# What a decoder family's flags (engine/families.py) do not say: Llama's.
 DECODER_DEFAULTS = dict(norm_offset=False, sandwich_norms=False, scaled_embeddings=False, bidirectional=False)
 # Families trained in bf16 whose activations overflow fp16's range (inf/NaN embeddings); their authors
 # advise bf16 (QwenLM/Qwen3#868, #761; EmbeddingGemma's model card: no float16). fp16 only when asked by name.
 FP16_OVERFLOWS = ("qwen2", "qwen3", "gemma3_text")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
-# model_type -> whether positions start after the padding index (RoBERTa's create_position_ids_from_input_ids).
-ENCODER_FAMILIES = {"bert": False, "roberta": True, "xlm-roberta": True, "distilbert": False}
 # transformers' modeling_distilbert.py builds every LayerNorm with eps=1e-12; DistilBertConfig has no such field.
 DISTILBERT_NORM_EPS = 1e-12
-# Encoders with rotary positions, pre-norm layers and a gated MLP (engine/encoder.ModernBert).
-MODERNBERT_FAMILIES = ("modernbert",)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 Rotaries = dict[str, tuple[torch.Tensor, float]]  # layer type -> (fp32 inv_freq [head_dim / 2], cos/sin factor)
 
@@ -97,9 +80,10 @@ class DecoderSpec(Widths):  # hidden_act: the gate's activation in act(gate) * u
     max_rope_positions: int | None  # dynamic NTK rotary: Hugging Face rescales beyond this length
 
     @classmethod
-    def from_config(cls, config: PretrainedConfig) -> DecoderSpec:
-        family = {**DECODER_DEFAULTS, **DECODER_FAMILIES[config.model_type]}
-        flags = {name: bool(getattr(config, v, False)) if isinstance(v, str) else v for name, v in family.items()}
+    def from_config(cls, config: PretrainedConfig, **family_flags: bool | str) -> DecoderSpec:
+        """`family_flags`: the family's (engine/families.py), each True/False or the config field that decides."""
+        stated = {**DECODER_DEFAULTS, **family_flags}
+        flags = {name: bool(getattr(config, v, False)) if isinstance(v, str) else v for name, v in stated.items()}
         hidden_act = getattr(config, "hidden_act", None) or config.hidden_activation  # Gemma: hidden_activation
         if hidden_act not in ACT2FN:
             raise UnsupportedModelError(f"hidden_act {hidden_act!r}")
@@ -138,7 +122,7 @@ class EncoderSpec(Widths):
     position_offset: int  # first position id: 0 for BERT, padding_idx + 1 for RoBERTa
 
     @classmethod
-    def from_config(cls, config: PretrainedConfig) -> EncoderSpec:
+    def from_config(cls, config: PretrainedConfig, *, positions_after_padding: bool) -> EncoderSpec:
         if getattr(config, "position_embedding_type", "absolute") != "absolute":
             raise UnsupportedModelError(f"position_embedding_type {config.position_embedding_type!r}")
         if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
@@ -155,7 +139,7 @@ class EncoderSpec(Widths):
             **Widths.read(config, norm_eps, hidden_act),
             max_positions=config.max_position_embeddings,
             type_vocab_size=0 if distil else config.type_vocab_size,
-            position_offset=config.pad_token_id + 1 if ENCODER_FAMILIES[config.model_type] else 0,
+            position_offset=config.pad_token_id + 1 if positions_after_padding else 0,
         )
 
 

@@ -19,7 +19,6 @@ from sentence_transformers.base.modules import Transformer
 from sentence_transformers.base.modules.transformer import _normalize_query_expansion
 from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask
 
-from st_fastbackend.engine.encoder import Encoder, ModernBert
 from st_fastbackend.engine.spec import UnsupportedModelError
 from st_fastbackend.modules.options import module_config
 from st_fastbackend.modules.transformer import PackedTransformer
@@ -37,7 +36,7 @@ class PackedMultiVectorTransformer(PackedTransformer):
         self._check_lengths()
         self.query_expansion = _normalize_query_expansion(query_expansion)
         unattended = self.query_expansion is not None and not self.query_expansion["attend"]
-        if unattended and not isinstance(self.model, (Encoder, ModernBert)):
+        if unattended and self.family.causal:
             raise UnsupportedModelError(f"query_expansion with attend=False on a {self.config.model_type} (a decoder)")
         if self.query_expansion is not None:  # sentence-transformers' own check of the token (it reads .tokenizer)
             Transformer._validate_query_expansion_token(self, self.query_expansion)

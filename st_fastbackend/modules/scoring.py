@@ -21,8 +21,6 @@ from sentence_transformers.base.modules.transformer import TRANSFORMER_TASK_DEFA
 from sentence_transformers.cross_encoder.modules import LogitScore
 
 from st_fastbackend.engine.batch import PackedBatch
-from st_fastbackend.engine.decoder import Decoder
-from st_fastbackend.engine.encoder import Encoder
 from st_fastbackend.engine.prefix import Prefix
 from st_fastbackend.engine.spec import UnsupportedModelError
 from st_fastbackend.engine.weights import CheckpointError, checkpoint_files, load_weights
@@ -83,7 +81,7 @@ class PackedScoringTransformer(PackedTransformer):
             formatter.processor = self.tokenizer  # one tokenizer: max_seq_length set here holds there
         object.__setattr__(self, "pair_formatter", formatter)  # not a submodule: its meta weights never move
         # transformers' forward takes token types only where the model has them (BERT, RoBERTa, XLM-R).
-        self.token_types = isinstance(self.model, Encoder)
+        self.token_types = self.family.token_types
         # [k, hidden], set by lm_rows_for (LogitScore's token ids); a buffer, so .to() moves it
         self.register_buffer("lm_rows", None, persistent=False)
 
@@ -92,7 +90,7 @@ class PackedScoringTransformer(PackedTransformer):
         head is read later, only the rows LogitScore needs (lm_rows_for)."""
         if self.transformer_task == "text-generation":
             architecture = (self.config.architectures or ["(none)"])[0]
-            if not isinstance(self.model, Decoder) or not architecture.endswith("ForCausalLM"):
+            if not self.family.causal or not architecture.endswith("ForCausalLM"):
                 raise UnsupportedModelError(f"A causal-LM reranker of architecture {self.config.architectures}")
             if getattr(self.config, "final_logit_softcapping", None) is not None:
                 raise UnsupportedModelError("final_logit_softcapping in a causal-LM reranker")
@@ -199,7 +197,7 @@ class PackedScoringTransformer(PackedTransformer):
         """The tokens every pair of a chunk begins with (a chat template's head and instruction; rank()'s query
         too), computed once on a causal-LM reranker: each pair keeps at least one token of its own, which the
         LM-head rows are read at. None where fewer than MIN_SHARED tokens are shared, or for any other model."""
-        if self.transformer_task != "text-generation" or not getattr(self.model, "reuses_prefix", False):
+        if self.transformer_task != "text-generation" or not self.reuses_prefix:
             return None
         first, length = sequences[0], min(len(ids) for ids in sequences) - 1
         for ids in sequences[1:]:

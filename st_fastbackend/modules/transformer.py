@@ -22,7 +22,7 @@ from st_fastbackend.engine import fused, host_memory, onednn, quantize
 from st_fastbackend.engine.batch import PackedBatch
 from st_fastbackend.engine.layers import Linear
 from st_fastbackend.engine.prefix import LayerKV, Prefix
-from st_fastbackend.engine.registry import build_engine
+from st_fastbackend.engine.registry import build_engine, family_of
 from st_fastbackend.engine.runtime import Kernel, Runtime, choose_runtime, resolve_dtype
 from st_fastbackend.engine.spec import UnsupportedModelError
 from st_fastbackend.engine.weights import INDEX_FILE, checkpoint_files, load_weights, stored_dtype
@@ -60,7 +60,10 @@ class PackedTransformer(InputModule):
         config = AutoConfig.from_pretrained(self.folder, **without_hub_kwargs(config_kwargs or {}))
         check_model_kwargs(model_kwargs)
         check_tokenizer_files(self.folder)  # before minutes of loading a large model
+        self.family = family_of(config)  # what the model can do, as data: no module asks its engine's class
         self.model = build_engine(config).eval()  # for good: see train()
+        # A prompt's states do not depend on what follows it only under causal attention (engine/prefix.py).
+        self.reuses_prefix = self.family.causal and self.model.spec.causal
         device = load_device(model_kwargs.get("device_map"))
         self.quantize = quantize.check_quantize(model_kwargs.get("quantize"), device)  # None or "int8"
         dtype = resolve_dtype(model_kwargs, config, device.type, stored_dtype(self.folder))
@@ -218,7 +221,7 @@ class PackedTransformer(InputModule):
     def prefix_for(self, prompt: str | None) -> Prefix | None:
         """The prompt's tokens to compute once for every text that begins with them, on a causal decoder;
         None for no prompt or any other model."""
-        if not prompt or not getattr(self.model, "reuses_prefix", False):
+        if not prompt or not self.reuses_prefix:
             return None
         ids = self.texts.prompt_ids(prompt)
         return Prefix(ids[:-1], len(ids)) if len(ids) > 1 else None

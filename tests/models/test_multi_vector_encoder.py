@@ -12,10 +12,11 @@ from transfers import HostToDevice, HostWaits
 
 from st_fastbackend import MultiVectorEncoder, UnsupportedModelError
 from st_fastbackend.engine.batch import PackedBatch
+from st_fastbackend.engine.families import FAMILIES as TABLE
 from st_fastbackend.modules.multi_vector import PackedMultiVectorMask
 from st_fastbackend.serve.batcher import PACK_OUTPUTS
 
-FAMILIES = ["bert", "roberta", "modernbert"]
+FAMILIES = [name for name, family in TABLE.items() if not family.causal]  # every encoder: attend=False is theirs
 EXPANSION = {"strategy": "fixed", "attend": True, "length": 24}
 
 

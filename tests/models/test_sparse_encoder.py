@@ -14,9 +14,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from st_fastbackend import SparseEncoder, UnsupportedModelError
 from st_fastbackend.engine.batch import PackedBatch
+from st_fastbackend.engine.families import FAMILIES as TABLE
 from st_fastbackend.modules import splade
 
-FAMILIES = ["bert", "roberta", "distilbert", "modernbert"]
+FAMILIES = [name for name, family in TABLE.items() if not family.causal]  # every encoder: each has a masked-LM head
 
 
 def load_both(folder, **kwargs):
