@@ -1,6 +1,7 @@
-"""embed-corpus --ray keeps the corpus job's guarantees (tests/corpus/test_corpus_integrity.py): what the local job refuses
-before it starts is refused on Ray too, and a Ray resume embeds the rows of a shard it cannot trust again, leaves out
-the rows of a repeated id and writes no id twice. A local Ray cluster of 2 CPUs, started once for the module."""
+"""embed-corpus --ray keeps the corpus job's guarantees (tests/corpus/test_corpus_integrity.py): what the local job
+refuses before it starts is refused on Ray too, and a Ray resume embeds the rows of a shard it cannot trust again,
+leaves out the rows of a repeated id and writes no id twice. A local Ray cluster of 2 CPUs, started once for the
+module."""
 
 import fcntl
 import os

@@ -1,5 +1,6 @@
 """The table of families (engine/families.py) held to the tests: every family has a small random model to build
-(builders.MODEL_CONFIGS) and runs the reference test against plain sentence-transformers (tests/models/test_parity.py)."""
+(builders.MODEL_CONFIGS) and runs the reference test against plain sentence-transformers
+(tests/models/test_parity.py)."""
 
 import test_parity
 from builders import MODEL_CONFIGS
