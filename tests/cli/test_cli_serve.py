@@ -40,6 +40,7 @@ def test_a_port_in_use_is_one_line_before_the_model_loads():
     ]
 
 
+@pytest.mark.slow
 def test_banner_access_log_and_default_model_name(st_model, tmp_path):
     folder = st_model("bert", pooling_mode="mean")
     # The default budget as the code computes it, here, before the server holds any of the device's memory.

@@ -87,6 +87,7 @@ def test_rerun_adds_only_the_missing_shards(folder, texts, expected, tmp_path):
     assert max(np.abs(got[row_id] - expected[i]).max() for i, row_id in enumerate(ids)) < TOLERANCE
 
 
+@pytest.mark.slow
 def test_one_job_per_folder_and_resume_after_sigkill(folder, texts, expected, tmp_path, capsys):
     """A subprocess job killed as soon as its first shard exists. While it runs, a second job on its folder is
     refused in one line naming the folder and the first job's pid (the trial: both finished, every id twice); once

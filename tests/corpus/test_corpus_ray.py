@@ -21,6 +21,7 @@ ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 
+@pytest.mark.slow
 def test_ray_cli_resumes_what_the_local_job_began(folder, texts, expected, tmp_path, capsys):
     """Shards are the same on both paths: a local run loses a shard, `--ray` adds only its rows, each equal to
     model.encode's, writes the manifest, and counts the tokens it embedded."""
@@ -43,6 +44,7 @@ def test_ray_cli_resumes_what_the_local_job_began(folder, texts, expected, tmp_p
     assert written["rows"]["embedded"] == len(texts) and written["dimension"] == expected.shape[1]
 
 
+@pytest.mark.slow
 def test_ray_cli_names_a_text_without_tokens_by_its_id(folder, texts, tmp_path, capsys):
     """Without a special token "" has no token at all, found only by an actor: the one-line error names the row's
     id (the actor's own error, not Ray's wrapper)."""
@@ -58,6 +60,7 @@ def test_ray_cli_names_a_text_without_tokens_by_its_id(folder, texts, tmp_path, 
     assert not ray.data.DataContext.get_current().raise_original_map_exception  # put back as it was
 
 
+@pytest.mark.slow
 def test_embed_dataset_adds_an_embedding_column(folder, texts, expected):
     from st_fastbackend.integrations.ray import embed_dataset
 
@@ -122,6 +125,7 @@ def test_the_actor_refuses_a_column_it_would_add(folder, texts):
         actor(pa.table({"text": texts[1:3]}))
 
 
+@pytest.mark.slow
 def test_the_job_splits_a_single_row_group_for_the_pool(texts, tmp_path):
     """A file of one row group reads as one block, which one actor would embed whole: the job's dataset reaches
     the actors in blocks of at most a call's rows, the done rows dropped."""
@@ -175,6 +179,7 @@ def test_ray_cli_lays_out_its_own_ray_by_device(folder, tmp_path, monkeypatch):
     assert layouts == [(4, 1, 0), (1, 4, 1), (1, 1, 0)]
 
 
+@pytest.mark.slow
 def test_the_docstring_example_runs_on_two_cpus(folder, texts, tmp_path, caplog):
     """The README's example (embed_dataset's docstring's, with text_column and batch_size) as written on this
     2-CPU cluster, num_workers=2: the two actors reserve half a CPU each, leaving one to the read and write
@@ -239,6 +244,7 @@ def test_fit_pool_leaves_a_cpu_to_read_and_write():
             fit_pool(workers, cpus, gpus, *cluster)
 
 
+@pytest.mark.slow
 def test_a_stall_ends_the_job_naming_what_waits(folder, texts, tmp_path):
     """Another job holds one of the two CPUs, the actor the other: the read task can never start. The job ends
     after stall_timeout seconds without output, naming the operator that waits and the resources."""

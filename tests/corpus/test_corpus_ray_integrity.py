@@ -23,6 +23,7 @@ def refused_on_ray(capsys, *args) -> str:
     return refused(capsys, *args, "--ray", "--num-workers", "1")
 
 
+@pytest.mark.slow
 def test_ray_refuses_a_held_folder_and_null_or_repeated_ids(folder, texts, tmp_path, capsys):
     """The folder's lock held by another open file (as by another process: flock locks one open file against every
     other), an id given to two rows, a null id: each refused in one line before Ray runs anything."""
@@ -46,6 +47,7 @@ def test_ray_refuses_a_held_folder_and_null_or_repeated_ids(folder, texts, tmp_p
     assert not list((tmp_path / "out").glob("part-*.parquet"))
 
 
+@pytest.mark.slow
 def test_ray_resume_embeds_a_bad_shard_again_and_leaves_out_repeated_ids(folder, texts, tmp_path, capsys):
     """A local job with --skip-duplicate-ids loses a shard (as if killed) and another one's bytes are flipped: the
     Ray resume names the bad shard and embeds its rows and the lost ones again, none of the repeated id's."""

@@ -46,6 +46,7 @@ def seam_inputs(dtype):
     }  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_each_compiled_seam_matches_the_eager_one(dtype):
     compiled = fused.seams(True)
@@ -95,6 +96,7 @@ def test_whole_models_with_compiled_seams_match_plain(st_model, texts, family, c
     assert FAMILIES[family] <= set(compiled_calls)  # the packs of 16 texts ran compiled
 
 
+@pytest.mark.slow
 def test_bf16_error_bound_with_compiled_seams(st_model, texts, compiled_calls):
     assert_bf16_error_within_twice_plain(st_model("qwen3", pooling_mode="mean"), texts)
     assert compiled_calls["residual_rms"] > 0

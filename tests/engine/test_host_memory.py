@@ -51,9 +51,11 @@ def folder(st_model):
     return st_model("bert", pooling_mode="mean")
 
 
+@pytest.mark.slow
 def test_a_model_run_on_the_cpu_keeps_freed_memory_for_the_next_pass(folder):
     assert last_faults("fast", folder) < 1_000
 
 
+@pytest.mark.slow
 def test_the_users_own_malloc_settings_are_kept(folder):
     assert last_faults("fast", folder, MALLOC_MMAP_THRESHOLD_=str(128 << 10)) > MAPPED_AGAIN

@@ -35,6 +35,7 @@ def record_batches(model):
     return seen, handle
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget, batch_size", [(64, 32), (300, 4), (100_000, 1000)])
 def test_encode_respects_the_budget_and_keeps_order(model, texts, monkeypatch, budget, batch_size):
     monkeypatch.setattr(st_fastbackend.models.fast, "TOKENIZE_CHUNK", 7)  # several tokenizer chunks

@@ -33,6 +33,7 @@ def reused(monkeypatch):
     return counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("include_prompt", [True, False], ids=["with prompt tokens", "without"])
 @pytest.mark.parametrize("mode", MODES, ids=str)
 def test_every_pooling_mode_matches_plain(st_model, texts, reused, mode, include_prompt):
@@ -65,6 +66,7 @@ KERNEL_VARIANTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(DEVICE != "cpu", reason="the stand-ins replace the CUDA kernels on the CPU")
 @pytest.mark.parametrize("name", kernel_standins.STANDINS)
 @pytest.mark.parametrize("variant", KERNEL_VARIANTS)

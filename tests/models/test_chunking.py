@@ -32,6 +32,7 @@ def reference_cut(n: int, size: int, overlap: int) -> list[tuple[int, int]]:
     return [(s, min(s + size, n)) for s in starts if s == 0 or s + overlap < n]
 
 
+@pytest.mark.real_model
 def test_boundaries_and_spans(minilm):
     _, fast = minilm
     tokenizer = fast.tokenizer
@@ -46,6 +47,7 @@ def test_boundaries_and_spans(minilm):
             assert chunks.embeddings.shape == (len(chunks.token_spans), 384)
 
 
+@pytest.mark.real_model
 def test_first_is_truncation_and_short_texts_are_plain(minilm):
     plain, fast = minilm
     expected = plain.encode(TEXTS)
@@ -59,6 +61,7 @@ def test_first_is_truncation_and_short_texts_are_plain(minilm):
     assert max_diff(with_prompt, plain.encode(TEXTS, prompt="query: ")) <= TOLERANCE
 
 
+@pytest.mark.real_model
 def test_mean_and_max_aggregate_the_chunks(minilm):
     _, fast = minilm
     chunking = Chunking(tokens=12, overlap=4)
@@ -105,6 +108,7 @@ def plain_tokens(plain, text: str, ids: list[int], start: int, end: int) -> torc
         return plain[0](features)["token_embeddings"][0].double()
 
 
+@pytest.mark.real_model
 @pytest.mark.parametrize("context", [None, 64])
 def test_late_chunking_against_token_embeddings(minilm, context):
     plain, fast = minilm
@@ -116,6 +120,7 @@ def test_late_chunking_against_token_embeddings(minilm, context):
     plain.max_seq_length = 40
 
 
+@pytest.mark.real_model
 def test_batch_invariance(minilm):
     _, fast = minilm
     for chunking in (Chunking(tokens=9, overlap=2, aggregate=None), Chunking(tokens=9, late=True, context=30)):
@@ -157,6 +162,7 @@ def test_late_with_dense_and_max_pooling(st_model):
             assert max_diff(got, pooled["sentence_embedding"][0]) <= TOLERANCE
 
 
+@pytest.mark.real_model
 def test_errors(minilm, st_model):
     _, fast = minilm
     for bad, field in [({"tokens": 0}, "tokens"), ({"overlap": -1}, "overlap"), ({"aggregate": "sum"}, "aggregate"),
@@ -215,6 +221,7 @@ def test_embed_corpus_chunk_rows_and_aggregate(st_model, tmp_path, capsys):
     assert "another job" in refused(capsys, source, tmp_path / "mean", "--model", folder, "--chunk-tokens", 24)
 
 
+@pytest.mark.slow
 def test_server_chunking_field(served_folder):
     """/v1/embeddings with `chunking`: an aggregate in OpenAI's shape equal to encode(chunking=), without one each
     input's chunks with their text spans equal to encode_chunks; late chunking over last-token pooling and unknown

@@ -140,6 +140,7 @@ def test_a_folder_without_tokenizer_files_is_refused(st_model, tmp_path):
         SentenceTransformer(str(folder), backend="fast", device=DEVICE)
 
 
+@pytest.mark.slow
 def test_multi_process_pool_gives_the_same_vectors(models, texts):
     _, fast = models
     single = fast.encode(texts, batch_size=8)
@@ -147,6 +148,7 @@ def test_multi_process_pool_gives_the_same_vectors(models, texts):
     np.testing.assert_allclose(pooled, single, atol=TOLERANCE, rtol=0)
 
 
+@pytest.mark.slow
 def test_started_pool_gives_the_same_vectors(models, texts):
     _, fast = models
     pool = fast.start_multi_process_pool(["cpu", "cpu"])

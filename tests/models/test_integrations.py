@@ -18,6 +18,7 @@ def test_importing_the_package_imports_neither_library():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+@pytest.mark.real_model
 def test_langchain_adapter():
     pytest.importorskip("langchain_huggingface")
     from langchain_huggingface import HuggingFaceEmbeddings
@@ -36,6 +37,7 @@ def test_langchain_adapter():
     assert np.abs(np.array(ours.embed_query(QUERY)) - theirs.embed_query(QUERY)).max() <= TOLERANCE
 
 
+@pytest.mark.real_model
 def test_llama_index_adapter():
     pytest.importorskip("llama_index.embeddings.huggingface")
     from llama_index.embeddings.huggingface import HuggingFaceEmbedding

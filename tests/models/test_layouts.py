@@ -95,6 +95,8 @@ def minilm():
     return minilm_path()
 
 
+@pytest.mark.slow
+@pytest.mark.real_model
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_layout_gets_plain_settings_and_numbers(minilm, tmp_path, layout):
     folder = shutil.copytree(minilm, tmp_path / "model")

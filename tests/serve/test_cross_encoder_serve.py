@@ -139,6 +139,7 @@ def test_serve_tells_a_cross_encoder_folder(folder, plain, tmp_path, st_model):
     assert not asks(embedder) and asks(embedder, "rerank") and not asks(folder, "embed")
 
 
+@pytest.mark.slow
 def test_cli_rerank_prints_and_writes_jsonl(folder, plain, tmp_path):
     docs = tmp_path / "docs.txt"
     docs.write_text("\n".join(DOCUMENTS[:10]) + "\n")

@@ -68,6 +68,7 @@ def test_embed_all_gives_multi_vectors(colbert_folder):
         assert reply.status_code == 400 and "/embed_all" in reply.text
 
 
+@pytest.mark.slow
 def test_cli_serves_a_sparse_folder(splade_folder):
     model = SparseEncoder(str(splade_folder), backend="fast", device=DEVICE)
     process, url = start_server(splade_folder, "--api-key", KEY)

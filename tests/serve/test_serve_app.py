@@ -37,6 +37,7 @@ def client(server):
     return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY)
 
 
+@pytest.mark.slow
 def test_float_and_base64_single_and_batch(client, model, texts):
     batch = [t for t in texts if t][:10]
     for inputs in (batch[0], batch):
@@ -146,6 +147,7 @@ def test_auth_and_body_limit(server):
     assert huge.status_code == 413
 
 
+@pytest.mark.slow
 def test_concurrent_clients_get_their_own_embeddings(server, model, texts):
     """32 threads x 25 requests of mixed lengths, bad requests among them; nothing lost, nothing mixed up."""
     pool = [t for t in texts if t]
@@ -175,6 +177,7 @@ def test_concurrent_clients_get_their_own_embeddings(server, model, texts):
     assert batch_counts
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_in_flight_requests(served_folder, texts):
     process, url = start_server(served_folder, "--max-batch-size", "1000", "--max-request-tokens", "1000000")
     many = [t for t in texts if t] * 20

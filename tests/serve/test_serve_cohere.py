@@ -140,6 +140,7 @@ def _sample(client, name: str) -> str:
     return next(line.rsplit(" ", 1)[1] for line in lines if line.rsplit(" ", 1)[0] == name)
 
 
+@pytest.mark.slow
 def test_official_cohere_client_on_a_live_server(folder, model):
     cohere = pytest.importorskip("cohere", reason="the cohere package is not installed (pip install cohere)")
     process, url = start_server(folder, "--api-key", KEY)

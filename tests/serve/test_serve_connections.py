@@ -37,6 +37,7 @@ def answer(sock: socket.socket) -> bytes:
     return data
 
 
+@pytest.mark.slow
 def test_headers_past_their_bytes_are_refused_without_being_buffered(served):
     process, url, _ = served
     before = rss_bytes(process.pid)
@@ -149,6 +150,7 @@ def open_files_limit(pid: int) -> int:
         return next(int(line.split()[3]) for line in limits if line.startswith("Max open files"))
 
 
+@pytest.mark.slow
 def test_the_cap_is_lowered_to_what_the_open_file_limit_allows(served_folder, tmp_path):
     """Under `ulimit -n 256`, with a cap of 1,000: 400 idle connections, and a normal request still answered."""
     launcher = ("-c", LIMITED.replace("SOFT", "256").replace("HARD", "256"))
@@ -168,6 +170,7 @@ def test_the_cap_is_lowered_to_what_the_open_file_limit_allows(served_folder, tm
         process.wait(30)
 
 
+@pytest.mark.slow
 def test_the_soft_open_file_limit_is_raised_for_the_cap(served_folder, tmp_path):
     launcher = ("-c", LIMITED.replace("SOFT", "256").replace("HARD", "4096"))
     with open(tmp_path / "log", "w") as out:
@@ -180,6 +183,7 @@ def test_the_soft_open_file_limit_is_raised_for_the_cap(served_folder, tmp_path)
         process.wait(30)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("body", "headers", "status", "message"),
     [

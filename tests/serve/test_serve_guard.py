@@ -21,6 +21,7 @@ def served(served_folder):
     process.wait(30)
 
 
+@pytest.mark.slow
 def test_chunked_body_gets_413_as_soon_as_it_passes_the_limit(served):
     _, url = served
     chunk = b"x" * 65536
@@ -80,6 +81,7 @@ def test_every_path_but_health_needs_the_key(served):
     assert metric(url, 'embedding_errors_total{type="invalid_api_key"}', HEADERS) >= 5
 
 
+@pytest.mark.slow
 def test_stalled_body_gets_408_and_does_not_hold_up_sigterm(served_folder):
     process, url = start_server(served_folder, "--api-key", KEY, "--public-metrics", "--body-timeout", "1")
     try:

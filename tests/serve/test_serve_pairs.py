@@ -140,6 +140,8 @@ def one_pair(url: str) -> httpx.Response:
     return rerank(url, {"query": "a short query", "documents": ["one short document"]})
 
 
+@pytest.mark.slow
+@pytest.mark.real_model
 def test_a_query_of_two_million_characters_holds_up_no_one(wordpiece_server):
     """The trial: 200 after 7 to 22 s, a probe waiting up to 6.8 s, +400 MiB. The query is read for its first 513
     tokens; the pair scores as predict scores it (any query of over 512 '!' is cut the same)."""
@@ -156,6 +158,8 @@ def test_a_query_of_two_million_characters_holds_up_no_one(wordpiece_server):
     np.testing.assert_allclose(expected, plain, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
+@pytest.mark.real_model
 def test_long_documents_hold_up_no_one(wordpiece_server):
     """The trial: 256 documents of 7,500 characters, 32 to 99 s, a probe waiting up to 3 s. Here 30 documents of
     256,000 characters (the server takes 8 million a request): tokenized whole, as before, 7.7 million characters
@@ -182,6 +186,7 @@ def test_long_documents_hold_up_no_one(wordpiece_server):
     np.testing.assert_allclose([scores[i] for i in range(8)], expected, atol=1e-6, rtol=0)
 
 
+@pytest.mark.real_model
 def test_the_trials_256_documents_are_refused_by_the_default_bound_at_once(wordpiece_server):
     """The trial's case 2 itself: 256 documents of 7,500 characters are 131,072 tokens of pairs cut to 512, over
     the default bound on a CPU (32 full-length pairs, 16,384 tokens): a 413 naming it within seconds, the probe as

@@ -87,6 +87,8 @@ def test_a_text_read_in_many_pieces_gives_encode_chunks(folder, monkeypatch):
         assert "the most a word may hold: 4 x --max-input-tokens 256 x" in word.text
 
 
+@pytest.mark.slow
+@pytest.mark.real_model
 def test_two_million_characters_to_chunk_hold_up_no_one(minilm_server):
     """The trial: no answer within 240 s, a probe at 2 s median, 6 s at most. The text is read a task of 32,768
     characters at a time and refused once its chunks pass the default bound (8,192 tokens on a CPU)."""

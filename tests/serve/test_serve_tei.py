@@ -197,6 +197,7 @@ def test_auth_and_metrics_per_endpoint(client):
     assert client.get("/v1/nothing", headers=HEADERS).json()["error"]["message"]  # OpenAI's shape elsewhere
 
 
+@pytest.mark.slow
 def test_live_server(served_folder, model, monkeypatch):
     process, url = start_server(served_folder, "--api-key", KEY, "--max-batch-size", "32")
     try:

@@ -26,6 +26,7 @@ WITHOUT_WHITESPACE = [("!" * 200_000, True), ("ab!" * 70_000, True), ("日本語
                       ("x" * 200_000, False)]  # fmt: skip
 
 
+@pytest.mark.real_model
 @pytest.mark.parametrize(
     ("text", "wordpiece_cuts"), WITHOUT_WHITESPACE, ids=[repr(t[:9]) for t, _ in WITHOUT_WHITESPACE]
 )
@@ -71,6 +72,8 @@ def during(url: str, body: dict) -> tuple[httpx.Response, float, httpx.Response]
         return attack.result(), waited, probe
 
 
+@pytest.mark.slow
+@pytest.mark.real_model
 def test_a_text_of_punctuation_without_whitespace_holds_up_no_one(minilm_server, minilm):
     """1.95 million '!' (as many WordPiece tokens): cut at 256 tokens after reading a few thousand characters,
     with encode()'s embedding; a probe meanwhile is answered in under 1 s and the server's memory barely grows."""
@@ -86,6 +89,7 @@ def test_a_text_of_punctuation_without_whitespace_holds_up_no_one(minilm_server,
     np.testing.assert_array_equal(response.json()["data"][0]["embedding"], shorter)
 
 
+@pytest.mark.real_model
 def test_a_long_prompt_is_refused_before_any_tokenizer_reads_it(minilm_server):
     process, url = minilm_server
     before = rss_bytes(process.pid)
@@ -98,6 +102,8 @@ def test_a_long_prompt_is_refused_before_any_tokenizer_reads_it(minilm_server):
     assert rss_bytes(process.pid) - before < 100 * 2**20
 
 
+@pytest.mark.slow
+@pytest.mark.real_model
 def test_a_prompt_that_fills_the_limit_embeds_as_encode_does(minilm_server, minilm):
     """A prompt of 9,000 '!' (within the bound) leaves no token to the inputs: tokenized once for all of them."""
     _, url = minilm_server
@@ -111,6 +117,7 @@ def test_a_prompt_that_fills_the_limit_embeds_as_encode_does(minilm_server, mini
     assert refused.json()["error"]["message"] == "The prompt alone has more than 256 tokens and truncate is false."
 
 
+@pytest.mark.slow
 def test_a_text_no_cut_is_found_for_is_refused_naming_the_bound(served_folder):
     """The small Mistral's pre-tokenizer splits only at spaces: 1.95 million '!' are one word, which no prefix
     of the bound's 10,240 characters is known to tokenize as the whole does."""
@@ -147,6 +154,7 @@ def test_one_request_tokenized_chunk_by_chunk_lets_another_through(served_folder
     assert ids == embedder.tokenize(big, None, 256)
 
 
+@pytest.mark.slow
 def test_the_prompt_cache_keeps_the_most_recently_used_within_its_count_and_bytes(served_folder, monkeypatch):
     """A server sees any number of distinct prompts: their tokens are kept for the 256 most recently used, in
     16 MiB at most; one dropped is measured again, to the same tokens."""
