@@ -13,7 +13,6 @@ from transfers import HostToDevice, HostWaits
 from st_fastbackend import MultiVectorEncoder, UnsupportedModelError
 from st_fastbackend.engine.batch import PackedBatch
 from st_fastbackend.modules.multi_vector import PackedMultiVectorMask
-from st_fastbackend.serve.batcher import PACK_OUTPUTS
 
 FAMILIES = ["bert", "roberta", "modernbert"]
 EXPANSION = {"strategy": "fixed", "attend": True, "length": 24}
@@ -117,7 +116,7 @@ def test_host_waits_per_pack_do_not_grow_with_the_texts(tmp_path, texts, monkeyp
         assert len(fast.encode_document(texts[:n], batch_size=64)) == n
         out = fast.forward_sequences(fast[0].encode_task(texts[:n], None, "document", 0), task="document")
         with HostWaits() as counter:
-            assert len(PACK_OUTPUTS["multi_vector"](out)) == n
+            assert len(fast.served_rows["token_embeddings"](fast, out)) == n
         served.append(counter.count)
     assert waits == [1, 1] and served == [2, 2]  # the counts; the server also copies the rows (it needs them now)
 
