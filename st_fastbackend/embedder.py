@@ -1,11 +1,11 @@
-"""What the server and the corpus job use of a fast model, and nothing else of it: prompt resolution,
-tokenization, the vocabulary, the output's shape, and packed runs through the one packing schedule."""
+"""What the server and the corpus job use of a fast embedding model, and nothing else of it: prompt resolution,
+tokenization, the vocabulary, the output's shape, packed runs through the one packing schedule, and each pack's rows
+as the model's class declares them (the server's Servable, serve/servable.py)."""
 
 from __future__ import annotations
 
 import torch
 from sentence_transformers.base.modules import Normalize
-from sentence_transformers.util import select_max_active_dims
 
 from st_fastbackend.engine.schedule import Schedule
 from st_fastbackend.models import SentenceTransformer
@@ -15,18 +15,15 @@ from st_fastbackend.modules import PackedTransformer
 from st_fastbackend.modules.tokenizer import DocumentTokens, TextTokenizer
 
 DOCUMENT_PROMPTS = ("document", "passage", "corpus")  # encode_document's prompt names, the first found taken
-# What the server gives for each kind of model (its class's output_kind).
-KIND_OUTPUTS = {"dense": ("sentence_embedding", "token_embeddings"), "sparse": ("sparse",),
-                "multi_vector": ("multi_vector",)}  # fmt: skip
 
 
 class Embedder:
     def __init__(self, model: SentenceTransformer) -> None:
         if not isinstance(getattr(model, "packed_input", None), PackedTransformer):
             raise TypeError('Embedder needs a model loaded with backend="fast".')
-        if model.output_kind not in KIND_OUTPUTS:
-            raise TypeError(f"Embedder serves {', '.join(KIND_OUTPUTS)} models; a {type(model).__name__} gives "
-                            f"{model.output_kind} (serve/rerank.py's Reranker serves it).")  # fmt: skip
+        if model.output_kind == "scores":
+            raise TypeError(f"Embedder serves embedding models; a {type(model).__name__} gives scores "
+                            "(serve/rerank.py's Reranker serves it).")  # fmt: skip
         self._model = model
         packed = model.packed_input
         self.texts: TextTokenizer = packed.texts
@@ -36,13 +33,10 @@ class Embedder:
         self.normalizes: bool = any(isinstance(module, Normalize) for module in model)
         self.device: torch.device = model.device
         self.prompts: dict[str, str] = dict(model.prompts)
-        # What each pack gives per text (keys of serve/batcher.py's PACK_OUTPUTS): the first is the model's vector,
-        # what its routes serve; a dense model's token embeddings are text-embeddings-inference's /embed_all.
         self.kind: str = model.output_kind
-        self.outputs: tuple[str, ...] = KIND_OUTPUTS[self.kind]
-        self.token_output: str | None = {"dense": "token_embeddings", "multi_vector": "multi_vector"}.get(self.kind)
+        self.outputs: tuple[str, ...] = tuple(model.served_rows)  # the outputs routes ask for, the first its main one
+        self.forward_kwargs: dict = model.served_kwargs()
         self.token_dimension: int = packed.get_embedding_dimension() if self.kind == "dense" else self.dimension
-        self.max_active_dims: int | None = getattr(model, "max_active_dims", None)  # a SparseEncoder's own
         self.document_length: int | None = getattr(packed, "document_length", None)  # a MultiVectorEncoder's
 
     def describe(self) -> dict:
@@ -96,22 +90,9 @@ class Embedder:
         return list(vectors.float().cpu().split([len(row) for row in spans]))
 
     def schedule(self, prompt: str | None, max_texts: int, max_tokens: int) -> Schedule:
-        """The packing schedule (engine/schedule.py) for sequences tokenized with `prompt`; a sparse model's keeps
-        its max_active_dims."""
-        if self.max_active_dims is not None:
-            return TopDimensions(self._model, prompt, self.device, max_texts, max_tokens, self.max_active_dims)
+        """The packing schedule (engine/schedule.py) for sequences tokenized with `prompt`."""
         return Schedule(self._model, prompt, self.device, max_texts, max_tokens)
 
-
-class TopDimensions(Schedule):
-    """A SparseEncoder's schedule with its max_active_dims: each row's largest dimensions kept (and the number
-    given to a SparseAutoEncoder), as its encode() does without a max_active_dims of the call's."""
-
-    def __init__(self, model, prompt, device, max_texts: int, max_tokens: int, max_active_dims: int) -> None:
-        super().__init__(model, prompt, device, max_texts, max_tokens)
-        self.max_active_dims = max_active_dims
-
-    def run(self, sequences, **kwargs):
-        for picked, out in super().run(sequences, max_active_dims=self.max_active_dims, **kwargs):
-            out["sentence_embedding"] = select_max_active_dims(out["sentence_embedding"], self.max_active_dims)
-            yield picked, out
+    def rows(self, output: str, out: dict) -> list:
+        """A pack's rows for `output`, one per sequence, on the host, as the model's class declares them."""
+        return self._model.served_rows[output](self._model, out)

@@ -34,6 +34,7 @@ from st_fastbackend.modules.tokenizer import TextTokenizer
 TOKENIZE_CHUNK = 4096  # inputs tokenized together (while the previous chunk runs) and sorted by length
 Tokenize = Callable[[list, range], list[list[int]]]  # (the chunk's inputs, their positions) -> token ids
 SharedPrefix = Callable[[list[list[int]]], Prefix | None]  # a chunk's token ids -> what to compute once for them
+ServedRows = Callable[[Any, dict], list]  # (the model, a pack's outputs) -> one row per text, on the host
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,9 @@ class FastModel:
     # What a text's row is, declared by the class (a subclass keeps it): the server's outputs and the corpus job's
     # rows are chosen by it (embedder.py, corpus/job.py), never by a class's name.
     output_kind: ClassVar[str] = "dense"
+    # What the server's worker makes of a pack's outputs (serve/batcher.py), declared by the class: for each output it
+    # serves, under the name a route asks for, one row per text. The first is its main output.
+    served_rows: ClassVar[dict[str, ServedRows]] = {}
     _max_tokens_per_batch: int | None = None
     _placed: tuple[str, torch.device] | None = None  # (the device asked, where every tensor was found), until a move
     # A prompt shared by the texts of a call (or a server batch) is computed once, on causal decoders
@@ -153,6 +157,10 @@ class FastModel:
     def pack_rows(self, prompt: str | None, options: dict) -> PackRows:
         """The class's row rule for a call with these options (it pops those it takes)."""
         raise NotImplementedError
+
+    def served_kwargs(self) -> dict[str, Any]:
+        """What the server's forward passes take besides the pack, as encode() gives the modules by default."""
+        return {}
 
     def check_inputs(self, inputs: list) -> None:
         """Each input one this class takes (texts; a CrossEncoder: pairs of texts), else an error naming its index."""

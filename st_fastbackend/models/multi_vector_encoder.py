@@ -20,10 +20,18 @@ from st_fastbackend.models.fast import FastModel, PackRows
 from st_fastbackend.modules.multi_vector import PackedMultiVectorMask, PackedMultiVectorTransformer, scored_rows
 
 
+def _served_vectors(model, out: dict) -> list[Tensor]:
+    """Per text its scored token vectors [n_i, dim], as its encode() gives them (one copy per pack, split on the
+    host)."""
+    rows, counts = scored_rows(out)
+    return list(rows.float().cpu().split(counts))
+
+
 class MultiVectorEncoder(FastModel, sentence_transformers.MultiVectorEncoder):
     fast_modules = {Transformer: PackedMultiVectorTransformer, MultiVectorMask: PackedMultiVectorMask}
     prompt_reuse = False  # engine/prefix.py is for causal decoders, and a prompt's tokens are among the vectors
     output_kind = "multi_vector"
+    served_rows = {"token_embeddings": _served_vectors}  # encode()'s output_value="token_embeddings"
 
     def _check_fast_pipeline(self, modules: list) -> None:
         super()._check_fast_pipeline(modules)

@@ -25,8 +25,17 @@ from st_fastbackend.modules import PackedPooling, PackedTransformer
 OUTPUT_VALUES = ("sentence_embedding", "token_embeddings", None)
 
 
+def _served_sentences(model, out: dict[str, Any]) -> list[Tensor]:
+    return list(out["sentence_embedding"].float().cpu())  # B x [dim]
+
+
+def _served_tokens(model, out: dict[str, Any]) -> list[Tensor]:
+    return [rows.float().cpu() for rows in per_text_tokens(out)[1]]  # B x [len_i, H], as encode() gives them
+
+
 class SentenceTransformer(FastModel, sentence_transformers.SentenceTransformer):
     fast_modules = {Transformer: PackedTransformer, Pooling: PackedPooling}
+    served_rows = {"sentence_embedding": _served_sentences, "token_embeddings": _served_tokens}
 
     def _check_fast_pipeline(self, modules: list) -> None:
         super()._check_fast_pipeline(modules)

@@ -44,8 +44,18 @@ class PackedSparseInput(PackedTransformer):
         return PackedTransformer(model_name_or_path, **config)
 
 
+def _served_sparse(model, out: dict) -> list[tuple[Tensor, Tensor]]:
+    """Per text its active dimensions and their values, the model's max_active_dims kept, as encode() gives them."""
+    embeddings = out["sentence_embedding"]
+    if model.max_active_dims is not None:
+        embeddings = select_max_active_dims(embeddings, max_active_dims=model.max_active_dims)
+    dense = embeddings.float().cpu()  # [B, vocab]
+    return [(row.nonzero().squeeze(1), row[row != 0]) for row in dense]
+
+
 class SparseEncoder(FastModel, sentence_transformers.SparseEncoder):
     output_kind = "sparse"
+    served_rows = {"sparse": _served_sparse}
     fast_modules = {Transformer: PackedSparseInput, MLMTransformer: PackedMaskedLM, Pooling: PackedPooling,
                     SpladePooling: PackedSpladePooling}  # fmt: skip
     prompt_reuse = False  # engine/prefix.py is for causal decoders; SPLADE and CSR sit on encoders
@@ -115,6 +125,10 @@ class SparseEncoder(FastModel, sentence_transformers.SparseEncoder):
             check_budget(kwargs.pop("max_tokens_per_batch", None))  # (nothing to bound there: no packs)
             return sentence_transformers.SparseEncoder._inference(self, inputs, **kwargs)
         return super()._packed_inference(inputs, **kwargs)
+
+    def served_kwargs(self) -> dict:
+        """Its max_active_dims, a SparseAutoEncoder's k, as encode() passes it."""
+        return {} if self.max_active_dims is None else {"max_active_dims": self.max_active_dims}
 
     def pack_rows(self, prompt: str | None, options: dict) -> PackRows:
         """Each text's row as the parent makes it: top max_active_dims kept, sparse, on the CPU as asked."""

@@ -12,23 +12,23 @@ from fastapi import FastAPI
 
 from st_fastbackend.embedder import Embedder
 from st_fastbackend.engine.fused import MIN_TOKENS
-from st_fastbackend.serve import cohere, sparse, tei
+from st_fastbackend.serve import cohere, rerank, routes, sparse, tei
 from st_fastbackend.serve.batcher import PACK_SECONDS, Batcher, Job
+from st_fastbackend.serve.endpoints import Served, error_shapes, router
 from st_fastbackend.serve.errors import ErrorResponses, add_error_handlers
 from st_fastbackend.serve.guard import Guard
 from st_fastbackend.serve.limits import Limits, default_request_tokens
 from st_fastbackend.serve.metrics import Metrics
-from st_fastbackend.serve.rerank import Reranker, is_cross_encoder, rerank_routes
-from st_fastbackend.serve.routes import Served, routes
+from st_fastbackend.serve.rerank import Reranker, is_cross_encoder
 from st_fastbackend.serve.tokens import RequestTokenizer
 
-# An embedding model's routers. A route that does not serve the model's kind (a dense vector, sparse, multi-vector)
-# names the one that does.
-EMBEDDING_DIALECTS = [routes, tei.tei_routes, cohere.cohere_routes, sparse.sparse_routes]
-# The error shape of each dialect's paths (OpenAI's on every other path), whatever the model: a path this model is not
-# served on answers its 404 in the dialect asked.
-ERROR_SHAPES = {**dict.fromkeys((*tei.PATHS, *sparse.PATHS), tei.tei_shape),
-                **dict.fromkeys(cohere.PATHS, cohere.cohere_shape)}  # fmt: skip
+# An embedding model's endpoints. One that does not serve the model's kind (a dense vector, sparse, multi-vector) names
+# the one that does.
+EMBEDDING = [*routes.SHARED, *routes.ENDPOINTS, *tei.ENDPOINTS, *cohere.ENDPOINTS, *sparse.ENDPOINTS]
+RERANKING = [*routes.SHARED, *rerank.ENDPOINTS]  # a cross-encoder's
+# The error shape of every path (OpenAI's on any other), whatever the model: a path this model is not served on answers
+# its 404 in the dialect asked.
+ERROR_SHAPES = error_shapes([*EMBEDDING, *RERANKING])
 
 
 def create_app(
@@ -59,14 +59,13 @@ def create_app(
     tokenizer = RequestTokenizer(embedder, max_input_tokens)
     served = Served(embedder, served_model_name, tokenizer, batcher, limits, max_batch_size, metrics)
     app = FastAPI(title="st_fastbackend", lifespan=_lifespan(served))
-    dialects = [rerank_routes] if cross_encoder else EMBEDDING_DIALECTS
     fail = ErrorResponses(metrics.errors, ERROR_SHAPES)
     public = {"/health", "/metrics"} if public_metrics else {"/health"}
     app.add_middleware(Guard, fail=fail, api_key=api_key, public_paths=public, max_body_bytes=limits.max_body_bytes,
                        body_timeout=limits.body_timeout)  # fmt: skip
     add_error_handlers(app, fail)
-    for dialect in dialects:
-        app.include_router(dialect(served))
+    app.include_router(routes.health_routes(served))
+    app.include_router(router(served, RERANKING if cross_encoder else EMBEDDING))
     app.state.batcher, app.state.metrics, app.state.fail = batcher, metrics, fail
     return app
 
@@ -80,8 +79,8 @@ def _lifespan(served: Served):
         ids = await served.tokenizer(["warm up"], None, None, truncate=True)
         if served.embedder.compiles_seams():
             ids = ids * -(-MIN_TOKENS // len(ids[0]))
-        output = getattr(served.embedder, "outputs", ("sentence_embedding",))[0]  # a Reranker's: its scores
-        await asyncio.wrap_future(served.batcher.submit(Job(token_ids=ids, prompt=None, output=output)))
+        warm_up = Job(token_ids=ids, prompt=None, output=served.embedder.outputs[0])  # the model's main output
+        await asyncio.wrap_future(served.batcher.submit(warm_up))
         served.ready = True
         yield
         served.ready = False

@@ -22,13 +22,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from st_fastbackend.embedder import Embedder
 from st_fastbackend.engine.host_memory import release_memory
 from st_fastbackend.engine.runtime import is_device_failure
 from st_fastbackend.engine.schedule import Schedule
-from st_fastbackend.models.sentence_transformer import per_text_tokens
-from st_fastbackend.modules.multi_vector import scored_rows
 from st_fastbackend.serve.metrics import Metrics
+from st_fastbackend.serve.servable import Servable
 
 logger = logging.getLogger(__name__)
 PACK_SECONDS = 0.25  # model time per pack the worker aims at: a request arriving mid-pack waits about this long
@@ -53,7 +51,7 @@ class Job:
     future: Future = field(default_factory=Future)  # cancelled: the client left, the job is dropped
     queued_at: float = field(default_factory=time.perf_counter)
     left: bool = False  # set by the endpoint when its client disconnects: the packs still to run are skipped
-    output: str = "sentence_embedding"  # what each sequence's row is: a key of PACK_OUTPUTS, or LATE_CHUNKS
+    output: str = "sentence_embedding"  # what each sequence's row is: one of the model's outputs, or LATE_CHUNKS
     spans: list[list[tuple[int, int]]] | None = None  # LATE_CHUNKS: per sequence its chunks' token spans in it
 
 
@@ -100,39 +98,16 @@ def fill_pack(group: list[Running], max_texts: int, max_tokens: int) -> list[tup
     return picked
 
 
-def _sentence_rows(out: dict) -> list[torch.Tensor]:
-    return list(out["sentence_embedding"].float().cpu())  # B x [dim]
-
-
-def _token_rows(out: dict) -> list[torch.Tensor]:
-    return [rows.float().cpu() for rows in per_text_tokens(out)[1]]  # B x [len_i, H], as encode() gives them
-
-
-def _sparse_rows(out: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A SparseEncoder's: per text its active dimensions and their values, as SparseEncoder.encode gives them."""
-    dense = out["sentence_embedding"].float().cpu()  # [B, vocab]
-    return [(row.nonzero().squeeze(1), row[row != 0]) for row in dense]
-
-
-def _multi_vector_rows(out: dict) -> list[torch.Tensor]:
-    """A MultiVectorEncoder's: per text its scored token vectors [n_i, dim], as its encode() gives them (one copy
-    per pack, split on the host)."""
-    rows, counts = scored_rows(out)
-    return list(rows.float().cpu().split(counts))
-
-
-LATE_CHUNKS = "late_chunks"  # per sequence its chunks' vectors [k, dim] (the Embedder pools the job's spans)
-# A pack's rows, one per sequence, for each output a job may ask for (embedder.py: which a model gives). Jobs asking
-# for different outputs share packs: the forward pass is the same.
-PACK_OUTPUTS = {"sentence_embedding": _sentence_rows, "token_embeddings": _token_rows, "sparse": _sparse_rows,
-                "multi_vector": _multi_vector_rows}  # fmt: skip
+# Per sequence its chunks' vectors [k, dim], pooled from its token embeddings over the job's spans (an Embedder's
+# late_chunks: only its routes ask for them).
+LATE_CHUNKS = "late_chunks"
 
 
 class Batcher:
-    def __init__(self, embedder: Embedder, max_tokens_per_batch: int, max_batch_size: int, metrics: Metrics,
+    def __init__(self, served: Servable, max_tokens_per_batch: int, max_batch_size: int, metrics: Metrics,
                  dynamic: bool = True, on_failure: Callable[[DeviceFailed], None] | None = None,
                  pack_seconds: float = PACK_SECONDS) -> None:  # fmt: skip
-        self.embedder = embedder
+        self.served = served
         self.max_tokens_per_batch = max_tokens_per_batch  # lowered for good when a pack runs out of memory
         self.max_batch_size = max_batch_size
         self.metrics = metrics
@@ -226,7 +201,7 @@ class Batcher:
         for running, _ in items:
             running.served = self._round
         if prompt not in self._schedules:
-            self._schedules[prompt] = self.embedder.schedule(prompt, self.max_batch_size, self.max_tokens_per_batch)
+            self._schedules[prompt] = self.served.schedule(prompt, self.max_batch_size, self.max_tokens_per_batch)
         schedule = self._schedules[prompt]
         schedule.max_tokens = self.max_tokens_per_batch  # as learned by any schedule
         self._run_isolated(schedule, items)
@@ -280,17 +255,18 @@ class Batcher:
                 jobs[0].end(error)
 
     def _embed(self, schedule: Schedule, items: list[tuple[Running, int]]) -> None:
-        """Run the sequences through the schedule, each row into its job's rows."""
+        """Run the sequences through the schedule, each row into its job's rows. Jobs asking for different outputs
+        share packs (the forward pass is the same); each output's rows are the model's class's (Servable.rows)."""
         ids = [running.job.token_ids[index] for running, index in items]
         start = time.perf_counter()
         with torch.inference_mode():
-            for picked, out in schedule.run(ids):
+            for picked, out in schedule.run(ids, **self.served.forward_kwargs):
                 asked = {items[k][0].job.output for k in picked}
-                rows = {output: PACK_OUTPUTS[output](out) for output in asked if output != LATE_CHUNKS}
-                if LATE_CHUNKS in asked:  # per sequence its chunks' vectors, pooled from its token embeddings
+                rows = {output: self.served.rows(output, out) for output in asked if output != LATE_CHUNKS}
+                if LATE_CHUNKS in asked:
                     jobs = [items[k] for k in picked]
                     spans = [r.job.spans[i] if r.job.output == LATE_CHUNKS else [] for r, i in jobs]
-                    rows[LATE_CHUNKS] = self.embedder.late_chunks(out, spans)
+                    rows[LATE_CHUNKS] = self.served.late_chunks(out, spans)
                 seconds, tokens = time.perf_counter() - start, sum(len(ids[k]) for k in picked)
                 self.metrics.compute.observe(seconds)
                 self.metrics.batch_tokens.observe(tokens)

@@ -18,6 +18,7 @@ The worker runs the request's sequences as it runs any request's texts, a pack a
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -26,7 +27,7 @@ from st_fastbackend.models.chunked import aggregate
 from st_fastbackend.models.chunking import Chunking, char_spans, chunk_size, cut, windows
 from st_fastbackend.modules.long_text import DocumentReader
 from st_fastbackend.modules.tokenizer import DocumentTokens, NoTokensError
-from st_fastbackend.serve.errors import ApiError, too_many_tokens
+from st_fastbackend.serve.errors import ApiError
 from st_fastbackend.serve.tokens import CHUNK_CHARS, InputError, RequestTokenizer
 
 
@@ -38,11 +39,13 @@ def parse(options: dict) -> Chunking:
 
 
 async def chunk_plan(
-    tokenizer: RequestTokenizer, texts: list[str], prompt: str | None, chunking: Chunking, max_tokens: int
-):
+    tokenizer: RequestTokenizer, texts: list[str], prompt: str | None, chunking: Chunking,
+    check_tokens: Callable[..., None],
+):  # fmt: skip
     """(every sequence's token ids, per text its token spans and character spans, and for late chunking per
     sequence its chunks' spans within it, else None), tokenized on the request tokenizer's one thread; a sequence
-    holds at most the server's --max-input-tokens, the request at most `max_tokens` (413 past it)."""
+    holds at most the server's --max-input-tokens. `check_tokens` (serve/endpoints.py's Call.check_tokens) bounds the
+    tokens read so far (413 past --max-request-tokens); the sequences' own are bounded when they go to the worker."""
     limit = tokenizer.limit
     if chunking.late and (chunking.context or limit) > limit:
         raise InputError(f"chunking.context={chunking.context} is more than the server's {limit} input tokens.")
@@ -52,8 +55,7 @@ async def chunk_plan(
                for text in texts]  # fmt: skip
     while readers and not readers[-1].done:
         await loop.run_in_executor(tokenizer.pool, _read_some, readers, tokenizer.bound())
-        if (read := sum(_tokens_at_least(reader) for reader in readers)) > max_tokens:
-            raise too_many_tokens(f"At least {read:,} tokens of chunks", max_tokens)
+        check_tokens(sum(_tokens_at_least(reader) for reader in readers), "tokens of chunks", at_least=True)
 
     def plan():
         sequences, found, within = [], [], []
@@ -72,8 +74,6 @@ async def chunk_plan(
                 within.append([(head + spans[c][0] - window.start, head + spans[c][1] - window.start)
                                for c in window.chunks])  # fmt: skip
             found.append((spans, char_spans(document, spans)))
-        if (tokens := sum(map(len, sequences))) > max_tokens:
-            raise too_many_tokens(f"{tokens:,} tokens of chunks", max_tokens)
         return sequences, found, within if late else None
 
     return await loop.run_in_executor(tokenizer.pool, plan)

@@ -24,23 +24,15 @@ from typing import Literal
 
 import numpy as np
 import torch
-from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 from sentence_transformers import quantize_embeddings
 
 from st_fastbackend.embedder import DOCUMENT_PROMPTS
+from st_fastbackend.serve.endpoints import Call, Endpoints, Served
 from st_fastbackend.serve.errors import ApiError
-from st_fastbackend.serve.routes import (
-    Served,
-    check_dimensions,
-    check_model,
-    embed_inputs,
-    json_response,
-    matryoshka,
-)
+from st_fastbackend.serve.routes import check_dimensions, check_model, embed_inputs, json_response, matryoshka
 
-PATHS = ("/v2/embed",)
 EmbeddingType = Literal["float", "int8", "uint8", "binary", "ubinary", "base64"]
 # input_type -> the model's prompts it takes, the first the model has (encode_query / encode_document's order)
 PROMPT_NAMES = {"search_query": ("query",), "search_document": DOCUMENT_PROMPTS,
@@ -64,29 +56,25 @@ def cohere_shape(error: ApiError) -> tuple[int, dict]:
     return error.status, {"id": str(uuid.uuid4()), "message": error.message}
 
 
-def cohere_routes(served: Served) -> APIRouter:
-    router = APIRouter()
+ENDPOINTS = Endpoints(cohere_shape)
 
-    @router.post("/v2/embed")
-    async def embed(body: CohereEmbedRequest, request: Request) -> Response:
-        served.metrics.requests.labels(endpoint="/v2/embed").inc()
-        _check(served, body)
-        rows = await embed_inputs(served, body.texts, request, prompt_name=_prompt_name(served, body.input_type),
-                                  truncate=body.truncate != "NONE", keep_end=body.truncate == "START",
-                                  field="texts")  # fmt: skip
-        if rows is None:
-            return Response(status_code=499)
-        vectors = torch.stack([matryoshka(row, body.output_dimension, served.embedder.normalizes) for row, _ in rows])
-        payload = {
-            "id": str(uuid.uuid4()),
-            "embeddings": {kind: _typed(vectors.numpy(), kind) for kind in dict.fromkeys(body.embedding_types)},
-            "texts": body.texts,
-            "meta": {"api_version": {"version": "2"}, "billed_units": {"input_tokens": sum(n for _, n in rows)}},
-            "response_type": "embeddings_by_type",
-        }
-        return json_response(payload)
 
-    return router
+@ENDPOINTS.post("/v2/embed", output="sentence_embedding")
+async def embed(call: Call, body: CohereEmbedRequest) -> Response:
+    served = call.served
+    _check(served, body)
+    rows = await embed_inputs(call, body.texts, prompt_name=_prompt_name(served, body.input_type),
+                              truncate=body.truncate != "NONE", keep_end=body.truncate == "START",
+                              field="texts")  # fmt: skip
+    vectors = torch.stack([matryoshka(row, body.output_dimension, served.embedder.normalizes) for row, _ in rows])
+    payload = {
+        "id": str(uuid.uuid4()),
+        "embeddings": {kind: _typed(vectors.numpy(), kind) for kind in dict.fromkeys(body.embedding_types)},
+        "texts": body.texts,
+        "meta": {"api_version": {"version": "2"}, "billed_units": {"input_tokens": sum(n for _, n in rows)}},
+        "response_type": "embeddings_by_type",
+    }
+    return json_response(payload)
 
 
 def _check(served: Served, body: CohereEmbedRequest) -> None:

@@ -1,5 +1,5 @@
 """Errors in OpenAI's shape, {"error": {"message", "type", "param", "code"}}, or in the shape of the dialect a path
-belongs to (serve/tei.py, serve/cohere.py), each counted in /metrics."""
+belongs to (each endpoint declares its own: serve/endpoints.py), each counted in /metrics."""
 
 from __future__ import annotations
 
@@ -21,12 +21,6 @@ class ApiError(Exception):
 def server_error(error: BaseException) -> ApiError:
     """Our own failure on one request: 500, naming the exception (its traceback goes to the log)."""
     return ApiError(500, f"The server failed on this request ({type(error).__name__}).", type="server_error")
-
-
-def too_many_tokens(found: str, limit: int) -> ApiError:
-    """413 for a request that holds more model work than --max-request-tokens (`found`: what it holds)."""
-    return ApiError(413, f"{found} in one request; the limit is {limit:,} (--max-request-tokens).",
-                    code="request_too_large")  # fmt: skip
 
 
 # An error as a dialect answers it: (status, JSON body).

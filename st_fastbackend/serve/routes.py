@@ -1,48 +1,32 @@
-"""The endpoints: OpenAI's /v1/embeddings and /v1/models, plus /health and /metrics."""
+"""OpenAI's endpoints, /v1/embeddings and /v1/models, the embedding request every dialect runs (embed_inputs), and
+/health and /metrics."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import logging
-from dataclasses import dataclass
 
 import numpy as np
 import orjson
 import torch
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from st_fastbackend.embedder import Embedder
 from st_fastbackend.models.chunking import Chunking
 from st_fastbackend.serve import chunked
-from st_fastbackend.serve.batcher import LATE_CHUNKS, Batcher, Job, ShuttingDown
-from st_fastbackend.serve.errors import ApiError, server_error, too_many_tokens
-from st_fastbackend.serve.limits import Limits
-from st_fastbackend.serve.metrics import Metrics
+from st_fastbackend.serve.endpoints import Call, Endpoints, Served
+from st_fastbackend.serve.errors import ApiError
 from st_fastbackend.serve.schema import EmbeddingRequest, check_unicode, request_inputs
-from st_fastbackend.serve.tokens import InputError, RequestTokenizer
 
 logger = logging.getLogger(__name__)
+SHARED = Endpoints()  # every server's, whatever its model
+ENDPOINTS = Endpoints()  # an embedding model's
 
 
-@dataclass
-class Served:
-    """What the endpoints serve: the model (through its narrow interface), under its name, with the
-    request tokenizer, the worker, the limits and the metrics."""
-
-    embedder: Embedder
-    name: str
-    tokenizer: RequestTokenizer
-    batcher: Batcher
-    limits: Limits
-    max_batch_size: int
-    metrics: Metrics
-    ready: bool = False  # the model has answered its warm-up request
-
-
-def routes(served: Served) -> APIRouter:
+def health_routes(served: Served) -> APIRouter:
+    """/health and /metrics: not counted, not in any dialect."""
     router = APIRouter()
 
     @router.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with HEAD
@@ -55,32 +39,25 @@ def routes(served: Served) -> APIRouter:
     async def metrics() -> Response:
         return Response(served.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    @router.get("/v1/models")
-    async def models() -> dict:
-        served.metrics.requests.labels(endpoint="/v1/models").inc()
-        card = {"id": served.name, "object": "model", "created": 0, "owned_by": "st_fastbackend"}
-        return {"object": "list", "data": [card]}
-
-    @router.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
-        served.metrics.requests.labels(endpoint="/v1/embeddings").inc()
-        if body.model_extra:
-            logger.debug(f"Ignored request fields: {sorted(body.model_extra)}")
-        rows = await _embed(served, body, request)
-        if rows is None:
-            return Response(status_code=499)  # nginx's "client closed request"; no one reads it
-        return _response(rows, body, served.name, served.embedder.normalizes)
-
     return router
 
 
-async def _embed(served: Served, body: EmbeddingRequest, request: Request) -> list | None:
-    """(embedding, token count) per input, or None when the client left first."""
-    check_model(served, body.model)
-    check_dimensions(served, body.dimensions)
+@SHARED.get("/v1/models")
+async def models(call: Call) -> dict:
+    card = {"id": call.served.name, "object": "model", "created": 0, "owned_by": "st_fastbackend"}
+    return {"object": "list", "data": [card]}
+
+
+@ENDPOINTS.post("/v1/embeddings", output="sentence_embedding")
+async def embeddings(call: Call, body: EmbeddingRequest) -> Response:
+    if body.model_extra:
+        logger.debug(f"Ignored request fields: {sorted(body.model_extra)}")
+    check_model(call.served, body.model)
+    check_dimensions(call.served, body.dimensions)
     chunking = chunked.parse(body.chunking) if body.chunking is not None else None
-    return await embed_inputs(served, body.input, request, prompt=body.prompt, prompt_name=body.prompt_name,
+    rows = await embed_inputs(call, body.input, prompt=body.prompt, prompt_name=body.prompt_name,
                               truncate=body.truncate, chunking=chunking)  # fmt: skip
+    return _response(rows, body, call.served.name, call.served.embedder.normalizes)
 
 
 def check_model(served: Served, model: str | None) -> None:
@@ -95,52 +72,35 @@ def check_dimensions(served: Served, dimensions: int | None, field: str = "dimen
 
 
 async def embed_inputs(
-    served: Served, value, request: Request, *, prompt: str | None = None, prompt_name: str | None = None,
-    truncate: bool, keep_end: bool = False, output: str = "sentence_embedding", chunking: Chunking | None = None,
-    field: str = "input", max_tokens: int | None = None,
-) -> list | None:  # fmt: skip
+    call: Call, value, *, prompt: str | None = None, prompt_name: str | None = None, truncate: bool,
+    keep_end: bool = False, chunking: Chunking | None = None, field: str = "input", max_tokens: int | None = None,
+) -> list:  # fmt: skip
     """What every dialect's embedding route runs: the request's inputs (texts or token ids) checked, tokenized
-    with the prompt encode() resolves from `prompt` and `prompt_name`, through the worker; per input (its `output`
-    row, its token count), or None when the client left first. An input over the limit is cut (`truncate`; keeping
-    its last tokens with `keep_end`), else 400. `field`: the dialect's name for the inputs, in errors;
-    `max_tokens`: the most tokens the request may hold (413 past it)."""
-    if output not in served.embedder.outputs:
+    with the prompt encode() resolves from `prompt` and `prompt_name`, through the worker; per input (its row of the
+    endpoint's output, its token count). An input over the limit is cut (`truncate`; keeping its last tokens with
+    `keep_end`), else 400. `field`: the dialect's name for the inputs, in errors; `max_tokens`: the most tokens the
+    request may hold for this output (413 past it)."""
+    served = call.served
+    if call.output not in served.embedder.outputs:
         raise ApiError(400, wrong_route(served.embedder.kind), code="wrong_route")
-    limits = served.limits
     asked, prompt = prompt is not None or prompt_name is not None, resolve_prompt(served.embedder, prompt, prompt_name)
-    texts, token_ids = request_inputs(value, served.max_batch_size, limits.max_request_chars, prompt, field)
+    texts, token_ids = request_inputs(value, served.max_batch_size, served.limits.max_request_chars, prompt, field)
     if token_ids is not None:
         if asked:  # whatever the prompt named holds, "" included
             raise ApiError(400, "prompt and prompt_name apply to text input, not to token ids.")
         prompt = None  # ids are embedded as given: the model's default prompt does not apply either
     if chunking is not None and token_ids is not None:
         raise ApiError(400, "chunking applies to text input, not to token ids.")
-    try:
-        if chunking is None:
-            ids = await served.tokenizer(texts, token_ids, prompt, truncate, keep_end=keep_end)
-            tokens = sum(map(len, ids))
-            if max_tokens is not None and tokens > max_tokens:
-                message = f"{tokens} tokens in one request; the limit for {output} is {max_tokens}."
-                raise ApiError(413, message, code="request_too_large")
-            if tokens > limits.max_request_tokens:
-                raise too_many_tokens(f"{tokens:,} tokens", limits.max_request_tokens)
-            return await _unless_client_left(served.batcher, Job(ids, prompt, output=output), request)
-        ids, found, within = await chunked.chunk_plan(served.tokenizer, texts, prompt, chunking,
-                                                      limits.max_request_tokens)  # fmt: skip
-        late = {"output": LATE_CHUNKS, "spans": within} if within is not None else {}
-        rows = await _unless_client_left(served.batcher, Job(token_ids=ids, prompt=prompt, **late), request)
-        if rows is None:
-            return None
-        return chunked.per_text(chunked.per_chunk(rows) if late else rows, found, chunking, served.embedder.normalizes)
-    except ApiError:
-        raise
-    except InputError as error:
-        raise ApiError(400, str(error)) from error
-    except ShuttingDown as error:
-        raise ApiError(503, str(error), type="server_error") from error
-    except Exception as error:
-        logger.exception("Request failed")
-        raise server_error(error) from error
+    if chunking is None:
+        ids = await served.tokenizer(texts, token_ids, prompt, truncate, keep_end=keep_end)
+        if max_tokens is not None and (tokens := sum(map(len, ids))) > max_tokens:
+            message = f"{tokens} tokens in one request; the limit for {call.output} is {max_tokens}."
+            raise ApiError(413, message, code="request_too_large")
+        return await call.rows(ids, prompt)
+    ids, found, within = await chunked.chunk_plan(served.tokenizer, texts, prompt, chunking, call.check_tokens)
+    rows = await call.rows(ids, prompt, "tokens of chunks", spans=within)
+    rows = chunked.per_chunk(rows) if within is not None else rows
+    return chunked.per_text(rows, found, chunking, served.embedder.normalizes)
 
 
 def wrong_route(kind: str) -> str:
@@ -150,28 +110,6 @@ def wrong_route(kind: str) -> str:
     if kind == "multi_vector":
         return "This server serves a multi-vector model (MultiVectorEncoder): its vectors are at POST /embed_all."
     return "This server serves a dense embedding model: POST /v1/embeddings, /embed, /embed_all or /v2/embed."
-
-
-async def _unless_client_left(batcher: Batcher, job: Job, request: Request) -> list | None:
-    """The job's result, or None once the client disconnects; a job the worker has not taken yet is then
-    cancelled and never reaches the model, one it is running stops before its next pack."""
-    result = asyncio.wrap_future(batcher.submit(job))
-    left = asyncio.ensure_future(_disconnect(request))
-    try:
-        await asyncio.wait({result, left}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        left.cancel()
-    if result.done():
-        return result.result()
-    result.cancel()  # cancels the job too, unless the worker is running it
-    job.left = True
-    return None
-
-
-async def _disconnect(request: Request) -> None:
-    """Returns when the client goes: the body is read, so the server's next event is http.disconnect."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def resolve_prompt(embedder: Embedder, prompt: str | None, prompt_name: str | None) -> str | None:

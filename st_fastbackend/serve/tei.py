@@ -14,19 +14,17 @@ import asyncio
 from typing import Literal
 
 import torch
-from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from st_fastbackend import __version__
 from st_fastbackend.modules.tokenizer import TextTokenizer
+from st_fastbackend.serve.endpoints import Call, Endpoints, Served
 from st_fastbackend.serve.errors import ApiError
-from st_fastbackend.serve.routes import Served, check_dimensions, embed_inputs, json_response, resolve_prompt
+from st_fastbackend.serve.routes import check_dimensions, embed_inputs, json_response, resolve_prompt
 from st_fastbackend.serve.schema import request_inputs
 
 ROOT_PATHS = ("/", "/invocations")  # where huggingface_hub's InferenceClient(model=URL) posts its embeddings requests
-# TEI's paths, answered in its error shape; /rerank is served on a cross-encoder (serve/rerank.py).
-PATHS = ("/embed", "/embed_all", "/tokenize", "/decode", "/info", "/rerank", *ROOT_PATHS)
 # /embed_all's values (tokens x values per token) in one request at most: about 180 MB of JSON.
 MAX_TOKEN_VALUES = 2**24
 
@@ -74,71 +72,63 @@ def tei_shape(error: ApiError) -> tuple[int, dict]:
     return status, {"error": error.message, "error_type": kind}
 
 
-def tei_routes(served: Served) -> APIRouter:
-    router = APIRouter()
-
-    @router.post("/embed")
-    async def embed(body: EmbedRequest, request: Request) -> Response:
-        served.metrics.requests.labels(endpoint="/embed").inc()
-        check_dimensions(served, body.dimensions)
-        rows = await embed_request(served, body, request, "sentence_embedding")
-        if rows is None:
-            return Response(status_code=499)
-        return json_response([_sized(row, body.dimensions, body.normalize) for row, _ in rows])
-
-    for path in ROOT_PATHS:  # TEI answers an embedding model's root (and SageMaker's /invocations) as /embed
-        router.add_api_route(path, embed, methods=["POST"])
-
-    @router.post("/embed_all")
-    async def embed_all(body: EmbedAllRequest, request: Request) -> Response:
-        served.metrics.requests.labels(endpoint="/embed_all").inc()
-        rows = await embed_request(served, body, request, served.embedder.token_output)
-        if rows is None:
-            return Response(status_code=499)
-        return json_response([row.numpy() for row, _ in rows])  # per input [tokens, values]
-
-    @router.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> Response:
-        served.metrics.requests.labels(endpoint="/tokenize").inc()
-        prompt = resolve_prompt(served.embedder, None, body.prompt_name)
-        limits = served.limits
-        texts, _ = request_inputs(body.inputs, served.max_batch_size, limits.max_request_chars, prompt, "inputs")
-        limit = served.tokenizer.max_chars
-        for index, text in enumerate(texts):
-            if len(text) > limit:  # as TEI bounds what it tokenizes
-                raise ApiError(400, f"inputs[{index}] has {len(text)} characters; the limit is {limit}.")
-        loop, pool, special = asyncio.get_running_loop(), served.tokenizer.pool, body.add_special_tokens
-        found = [loop.run_in_executor(pool, tokens, served.embedder.texts, text, prompt, special) for text in texts]
-        return json_response(await asyncio.gather(*found))  # a task per text: other requests' tokenizing goes between
-
-    @router.post("/decode")
-    async def decode(body: DecodeRequest) -> Response:
-        served.metrics.requests.labels(endpoint="/decode").inc()
-        batch = body.ids if body.ids and isinstance(body.ids[0], list) else [body.ids]
-        _check_ids(served, batch, body.ids)
-        tokenizer = served.embedder.texts
-
-        def run() -> list[str]:
-            with tokenizer.lock:
-                return tokenizer.tokenizer.batch_decode(batch, skip_special_tokens=body.skip_special_tokens)
-
-        return json_response(await asyncio.get_running_loop().run_in_executor(served.tokenizer.pool, run))
-
-    @router.get("/info")
-    async def info() -> Response:
-        served.metrics.requests.labels(endpoint="/info").inc()
-        return json_response(_info(served))
-
-    return router
+# An embedding model's TEI endpoints; /embed_sparse (serve/sparse.py) and /rerank (serve/rerank.py) answer in TEI's
+# shape too.
+ENDPOINTS = Endpoints(tei_shape)
 
 
-async def embed_request(served: Served, body: EmbedAllRequest, request: Request, output: str) -> list | None:
-    """What TEI's embedding routes run: the body's inputs, prompt and truncation through the worker, for `output`
-    (token outputs bounded by MAX_TOKEN_VALUES a request)."""
-    per_token = output == served.embedder.token_output  # output is a name; token_output None where there is none
-    max_tokens = MAX_TOKEN_VALUES // served.embedder.token_dimension if per_token else None
-    return await embed_inputs(served, body.inputs, request, prompt_name=body.prompt_name, truncate=bool(body.truncate),
-                              keep_end=body.truncation_direction.lower() == "left", output=output, field="inputs",
+# TEI answers an embedding model's root (and SageMaker's /invocations) as /embed.
+@ENDPOINTS.post("/embed", output="sentence_embedding", also=ROOT_PATHS)
+async def embed(call: Call, body: EmbedRequest) -> Response:
+    check_dimensions(call.served, body.dimensions)
+    rows = await embed_request(call, body)
+    return json_response([_sized(row, body.dimensions, body.normalize) for row, _ in rows])
+
+
+@ENDPOINTS.post("/embed_all", output="token_embeddings")
+async def embed_all(call: Call, body: EmbedAllRequest) -> Response:
+    rows = await embed_request(call, body, max_tokens=MAX_TOKEN_VALUES // call.served.embedder.token_dimension)
+    return json_response([row.numpy() for row, _ in rows])  # per input [tokens, values]
+
+
+@ENDPOINTS.post("/tokenize")
+async def tokenize(call: Call, body: TokenizeRequest) -> Response:
+    served = call.served
+    prompt = resolve_prompt(served.embedder, None, body.prompt_name)
+    limits = served.limits
+    texts, _ = request_inputs(body.inputs, served.max_batch_size, limits.max_request_chars, prompt, "inputs")
+    limit = served.tokenizer.max_chars
+    for index, text in enumerate(texts):
+        if len(text) > limit:  # as TEI bounds what it tokenizes
+            raise ApiError(400, f"inputs[{index}] has {len(text)} characters; the limit is {limit}.")
+    loop, pool, special = asyncio.get_running_loop(), served.tokenizer.pool, body.add_special_tokens
+    found = [loop.run_in_executor(pool, tokens, served.embedder.texts, text, prompt, special) for text in texts]
+    return json_response(await asyncio.gather(*found))  # a task per text: other requests' tokenizing goes between
+
+
+@ENDPOINTS.post("/decode")
+async def decode(call: Call, body: DecodeRequest) -> Response:
+    batch = body.ids if body.ids and isinstance(body.ids[0], list) else [body.ids]
+    _check_ids(call.served, batch, body.ids)
+    tokenizer = call.served.embedder.texts
+
+    def run() -> list[str]:
+        with tokenizer.lock:
+            return tokenizer.tokenizer.batch_decode(batch, skip_special_tokens=body.skip_special_tokens)
+
+    return json_response(await asyncio.get_running_loop().run_in_executor(call.served.tokenizer.pool, run))
+
+
+@ENDPOINTS.get("/info")
+async def info(call: Call) -> Response:
+    return json_response(_info(call.served))
+
+
+async def embed_request(call: Call, body: EmbedAllRequest, max_tokens: int | None = None) -> list:
+    """What TEI's embedding routes run: the body's inputs, prompt and truncation through the worker, for the
+    endpoint's output (at most `max_tokens` tokens a request, where given)."""
+    return await embed_inputs(call, body.inputs, prompt_name=body.prompt_name, truncate=bool(body.truncate),
+                              keep_end=body.truncation_direction.lower() == "left", field="inputs",
                               max_tokens=max_tokens)  # fmt: skip
 
 

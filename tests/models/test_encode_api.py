@@ -200,25 +200,34 @@ def test_train_and_eval_modes(models, texts):
     assert not fast.training and not fast[0].training and not fast[1].training
 
 
+def first_tokens(out: dict) -> torch.Tensor:
+    return out["token_embeddings"][out["packed"].cu_seqlens[:-1].long()]  # [B, H]: each text's first token
+
+
 class FirstTokens(SentenceTransformer):
-    """A fifth output kind, in one class: each text's first token vector, from its row rule alone."""
+    """A fifth output kind, in one class: each text's first token vector, from its row rules alone, encode()'s
+    (pack_rows) and the server's (served_rows: what a route asking for sentence embeddings gets)."""
+
+    output_kind = "first_token"
+    served_rows = {"sentence_embedding": lambda model, out: list(first_tokens(out).float().cpu())}
 
     def pack_rows(self, prompt, options):
         from st_fastbackend.models.fast import PackRows, text_tokens
 
         for name in ("output_value", "save_to_cpu", "truncate_dim", "normalize_embeddings"):
             options.pop(name)
-
-        def rows(out):
-            starts = out["packed"].cu_seqlens[:-1].long()
-            return out["token_embeddings"][starts].cpu(), None
-
-        return PackRows(text_tokens(self[0].texts, prompt), rows, lambda results, device: torch.stack(results))
+        return PackRows(text_tokens(self[0].texts, prompt), lambda out: (first_tokens(out).cpu(), None),
+                        lambda results, device: torch.stack(results))  # fmt: skip
 
 
 def test_an_output_kind_is_one_row_rule(st_model, texts):
-    """encode()'s loop (FastModel._packed_inference) is every class's; what a class makes of a pack is its
-    pack_rows: a subclass that gives each text's first token vector needs nothing else."""
+    """encode()'s loop (FastModel._packed_inference) is every class's, and so is the server's worker; what a class
+    makes of a pack is its own: a subclass that gives each text's first token vector needs nothing else, in encode()
+    or served."""
+    from fastapi.testclient import TestClient
+
+    from st_fastbackend.serve.app import create_app
+
     model = FirstTokens(str(st_model("bert", pooling_mode="mean")), backend="fast", device=DEVICE)
     texts = [t for t in texts if t]
     first = model.encode(texts, batch_size=3, convert_to_tensor=True)
@@ -227,6 +236,12 @@ def test_an_output_kind_is_one_row_rule(st_model, texts):
     )
     assert first.shape == (len(texts), tokens[0].shape[1])
     assert max_diff(first, torch.stack([t[0] for t in tokens]).cpu()) <= TOLERANCE
+    app = create_app(model, "first", max_tokens_per_batch=4096, max_batch_size=64, max_input_tokens=256)
+    with TestClient(app) as client:
+        reply = client.post("/v1/embeddings", json={"input": texts[:8]})
+    assert reply.status_code == 200, reply.text
+    served = torch.tensor([item["embedding"] for item in reply.json()["data"]])
+    assert max_diff(served, first[:8].cpu()) <= TOLERANCE
 
 
 @pytest.mark.parametrize("chunked", [False, True])

@@ -14,7 +14,6 @@ from st_fastbackend import MultiVectorEncoder, UnsupportedModelError
 from st_fastbackend.engine.batch import PackedBatch
 from st_fastbackend.engine.families import FAMILIES as TABLE
 from st_fastbackend.modules.multi_vector import PackedMultiVectorMask
-from st_fastbackend.serve.batcher import PACK_OUTPUTS
 
 FAMILIES = [name for name, family in TABLE.items() if not family.causal]  # every encoder: attend=False is theirs
 EXPANSION = {"strategy": "fixed", "attend": True, "length": 24}
@@ -120,7 +119,7 @@ def test_host_waits_per_pack_do_not_grow_with_the_texts(tmp_path, texts, monkeyp
         assert len(fast.encode_document(texts[:n], batch_size=64)) == n
         out = fast.forward_sequences(fast[0].encode_task(texts[:n], None, "document", 0), task="document")
         with HostWaits() as counter:
-            assert len(PACK_OUTPUTS["multi_vector"](out)) == n
+            assert len(fast.served_rows["token_embeddings"](fast, out)) == n
         served.append(counter.count)
     assert waits == [1, 1] and served == [2, 2]  # the counts; the server also copies the rows (it needs them now)
 
