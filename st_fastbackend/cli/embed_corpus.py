@@ -49,6 +49,9 @@ def add_embed_corpus(commands, formatter_class) -> None:
     corpus.add_argument("--quantize", default=None, choices=["int8"], help=QUANTIZE_HELP)
     corpus.add_argument("--output-dtype", default="float32", choices=("float32", "float16"),
                         help="of the embeddings (a sparse model's values, a multi-vector one's vectors)")  # fmt: skip
+    corpus.add_argument("--reuse", action="append", default=[], metavar="PREVIOUS_OUT",
+                        help="an earlier output of the same model and options: its rows of texts in INPUT are copied, "
+                             "not embedded again (repeatable)")  # fmt: skip
     corpus.add_argument("--skip-invalid", action="store_true",
                         help="list rows whose id or text is null, or whose text is not a string, in rejects.parquet, "
                              "not stop")  # fmt: skip
@@ -106,7 +109,10 @@ def embed_corpus(args: argparse.Namespace) -> None:
             done = folder.prepare(scan.rows - rejected, output_width(args.model))
             for line in folder.untrusted:
                 print(f"st-fastbackend: warning: {line}", file=sys.stderr)
-            (_run_ray if args.ray else _run_local)(args, scan, folder, done)
+            if args.ray:
+                _run_ray(args, scan, folder, done)
+            else:
+                _run_local(args, scan, folder, done, _row_index(args, folder))
     except CorpusError as error:
         raise CliError(str(error)) from error
 
@@ -120,6 +126,21 @@ def _output_folder(args: argparse.Namespace, scan, kind):
                    args.text_column, args.prompt, args.prompt_name, args.output_dtype, args.max_seq_length, args.dtype,
                    args.matmul_precision, args.chunking, args.quantize)  # fmt: skip
     return OutputFolder(args.output_dir, spec, kind)
+
+
+def _row_index(args: argparse.Namespace, folder):
+    """Where the rows already embedded are: the --reuse outputs (checked now, before the model loads) and this
+    folder's complete shards."""
+    from pathlib import Path
+
+    from st_fastbackend.corpus.reuse import RowIndex, row_columns
+
+    index = RowIndex(row_columns(folder))
+    for path in args.reuse:
+        index.add_output(Path(path), folder)
+    for shard in folder.shards():  # those prepare() trusts
+        index.add_shard(shard)
+    return index
 
 
 def _output_kind(args: argparse.Namespace):
@@ -169,6 +190,8 @@ def _check_ray_options(args: argparse.Namespace) -> None:
     given = [f"--{name.replace('_', '-')}" for name in names if getattr(args, name) is not None]
     if given and not args.ray:
         raise CliError(f"{', '.join(given)} need --ray")
+    if args.ray and args.reuse:
+        raise CliError("--reuse runs on this machine only, not with --ray")
     if args.ray and importlib.util.find_spec("ray") is None:
         raise CliError("--ray needs Ray Data: pip install 'st_fastbackend[ray]'")
     if args.stall_timeout is not None and not args.stall_timeout > 0:
@@ -180,7 +203,7 @@ def _check_ray_options(args: argparse.Namespace) -> None:
             raise CliError(str(error)) from error
 
 
-def _run_local(args, scan, folder, done) -> None:
+def _run_local(args, scan, folder, done, index) -> None:
     from st_fastbackend.corpus.job import embedder_for, run_local
     from st_fastbackend.corpus.output import OUTPUT_KINDS
     from st_fastbackend.models.chunking import Chunking
@@ -192,9 +215,12 @@ def _run_local(args, scan, folder, done) -> None:
                              chunking=Chunking(**args.chunking) if args.chunking else None)  # fmt: skip
     except ValueError as error:  # an unknown prompt name
         raise CliError(first_line(error)) from error
-    progress = run_local(scan, folder, done, embed, args.shard_rows)
+    progress = run_local(scan, folder, done, embed, args.shard_rows, index)
     seconds = time.perf_counter() - progress.started
-    print(f"{_counts(progress.rows, _length(done), scan)}, {progress.shards} new shards; {progress.tokens} tokens "
+    embedded = progress.rows - progress.reused - progress.deduplicated
+    print(f"{progress.rows} rows written: {progress.reused} reused, {progress.deduplicated} deduplicated, {embedded} "
+          f"embedded ({_length(done)} done before, {_rejected(scan)} rejected, {scan.rows} in the input), "
+          f"{progress.shards} new shards; {progress.tokens} tokens "
           f"in {seconds:.2f}s ({progress.tokens_per_second():.0f} tokens/s); {describe(model)} -> {args.output_dir}",
           file=sys.stderr)  # fmt: skip
 
@@ -246,8 +272,11 @@ def _load_kwargs(args) -> dict:
 
 
 def _counts(rows: int, done_before: int, scan) -> str:
-    rejected = 0 if scan.rejects is None else scan.rejects.num_rows
-    return f"{rows} rows embedded ({done_before} done before, {rejected} rejected, {scan.rows} in the input)"
+    return f"{rows} rows embedded ({done_before} done before, {_rejected(scan)} rejected, {scan.rows} in the input)"
+
+
+def _rejected(scan) -> int:
+    return 0 if scan.rejects is None else scan.rejects.num_rows
 
 
 def _length(done) -> int:
