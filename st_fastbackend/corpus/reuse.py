@@ -19,6 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -66,15 +67,23 @@ class Counts:
     embedded: int = 0
 
 
+class Place(NamedTuple):
+    shard: Path
+    start: int  # its first row
+    count: int  # its rows (chunks)
+    earlier: bool  # in an earlier output (--reuse), not this job's
+
+
 class RowIndex:
-    """Where the rows of each content key are: (shard, first row, rows), the first place found kept."""
+    """Where the rows of each content key are, the first place found kept."""
 
     def __init__(self, columns: list[str]) -> None:
         self.columns, self.places = columns, {}
         self.held: OrderedDict[Path, pa.Table] = OrderedDict()
 
-    def add_shard(self, shard: Path) -> bool:
-        """The keys of a shard whose integrity is checked; False: it has no key column (written before them)."""
+    def add_shard(self, shard: Path, earlier: bool = False) -> bool:
+        """The keys of a shard whose integrity is checked (`earlier`: of a --reuse output); False: it has no key
+        column (written before them)."""
         schema = pq.read_schema(shard)
         if KEY not in schema.names:
             return False
@@ -85,13 +94,13 @@ class RowIndex:
             len(keys))  # fmt: skip
         ends = np.append(starts[1:], len(keys))
         for start, end in zip(starts.tolist(), ends.tolist(), strict=True):
-            self.places.setdefault(keys[start], (shard, start, end - start))
+            self.places.setdefault(keys[start], Place(shard, start, end - start, earlier))
         return True
 
     def add_output(self, path: Path, folder: OutputFolder) -> None:
         """A complete earlier output of the same numbers identity, checked; CorpusError naming it otherwise."""
         for shard in trusted_shards(path, folder):
-            if not self.add_shard(shard):
+            if not self.add_shard(shard, earlier=True):
                 raise CorpusError(f"--reuse {path}: {shard.name} has no {KEY} column (written before content keys): "
                                   "it cannot be reused; embed without it")  # fmt: skip
 
@@ -147,7 +156,8 @@ def shard_table(id_column: str, ids: pa.Array, texts: list[str], keys: list[byte
     for key in keys:
         if (found := index.places.get(key)) is not None:
             sources.append(found)
-            counts.reused += 1
+            counts.reused += found.earlier
+            counts.deduplicated += not found.earlier
         elif key in first:
             sources.append(first[key])
             counts.deduplicated += 1
@@ -170,7 +180,7 @@ def shard_table(id_column: str, ids: pa.Array, texts: list[str], keys: list[byte
         if isinstance(source, int):
             start, count = int(starts[source]), int(per_text[source])
         else:
-            shard, start, count = source
+            shard, start, count, _ = source
             if shard not in offsets:
                 offsets[shard] = sum(len(table) for table in pool)
                 pool.append(index.rows(shard))
