@@ -109,10 +109,7 @@ def embed_corpus(args: argparse.Namespace) -> None:
             done = folder.prepare(scan.rows - rejected, output_width(args.model))
             for line in folder.untrusted:
                 print(f"st-fastbackend: warning: {line}", file=sys.stderr)
-            if args.ray:
-                _run_ray(args, scan, folder, done)
-            else:
-                _run_local(args, scan, folder, done, _row_index(args, folder))
+            (_run_ray if args.ray else _run_local)(args, scan, folder, done, _row_index(args, folder))
     except CorpusError as error:
         raise CliError(str(error)) from error
 
@@ -190,8 +187,6 @@ def _check_ray_options(args: argparse.Namespace) -> None:
     given = [f"--{name.replace('_', '-')}" for name in names if getattr(args, name) is not None]
     if given and not args.ray:
         raise CliError(f"{', '.join(given)} need --ray")
-    if args.ray and args.reuse:
-        raise CliError("--reuse runs on this machine only, not with --ray")
     if args.ray and importlib.util.find_spec("ray") is None:
         raise CliError("--ray needs Ray Data: pip install 'st_fastbackend[ray]'")
     if args.stall_timeout is not None and not args.stall_timeout > 0:
@@ -217,20 +212,27 @@ def _run_local(args, scan, folder, done, index) -> None:
         raise CliError(first_line(error)) from error
     progress = run_local(scan, folder, done, embed, args.shard_rows, index)
     seconds = time.perf_counter() - progress.started
-    embedded = progress.rows - progress.reused - progress.deduplicated
-    print(f"{progress.rows} rows written: {progress.reused} reused, {progress.deduplicated} deduplicated, {embedded} "
-          f"embedded ({_length(done)} done before, {_rejected(scan)} rejected, {scan.rows} in the input), "
+    print(f"{_written(progress.rows, progress.reused, progress.deduplicated, _length(done), scan)}, "
           f"{progress.shards} new shards; {progress.tokens} tokens "
           f"in {seconds:.2f}s ({progress.tokens_per_second():.0f} tokens/s); {describe(model)} -> {args.output_dir}",
           file=sys.stderr)  # fmt: skip
 
 
-def _run_ray(args, scan, folder, done) -> None:
+def _run_ray(args, scan, folder, done, index) -> None:
     import ray
     import ray.data
     from sentence_transformers.util import get_device_name
 
-    from st_fastbackend.corpus.on_ray import layout_here, run_ray, shard_dimension, start_ray
+    from st_fastbackend.corpus.job import run_local
+    from st_fastbackend.corpus.on_ray import (
+        NothingToEmbed,
+        copy_plan,
+        layout_here,
+        run_ray,
+        shard_dimension,
+        start_ray,
+        written_ids,
+    )
 
     workers, cpus = args.num_workers or 1, args.cpus_per_worker or 1
     if not (args.ray_address or ray.is_initialized() or args.gpus_per_worker):  # Ray on this machine
@@ -246,8 +248,11 @@ def _run_ray(args, scan, folder, done) -> None:
     context = ray.data.DataContext.get_current()
     wrapped = context.raise_original_map_exception
     context.raise_original_map_exception = True  # a worker's error arrives as it raised it, under Ray's `cause`
+    copied, left = copy_plan(scan, folder, done, index)
+    rows, tokens, seconds = 0, 0, 0.0
     try:
-        rows, tokens, seconds = run_ray(scan, folder, done, args.model, options, args.shard_rows)
+        if left:
+            rows, tokens, seconds = run_ray(scan, folder, copied, args.model, options, args.shard_rows)
     except PoolError as error:  # a pool this cluster cannot run, refused before any task
         raise CliError(str(error)) from error
     except Exception as error:  # one line (the worker's own error where there is one); --debug shows it whole
@@ -256,9 +261,14 @@ def _run_ray(args, scan, folder, done) -> None:
         raise CliError(f"the Ray job failed: {first_line(getattr(error, 'cause', None) or error)}") from error
     finally:
         context.raise_original_map_exception = wrapped
-    folder.finish(scan, shard_dimension(folder), args.prompt)
-    print(f"{_counts(rows, _length(done), scan)}; {tokens} tokens in {seconds:.2f}s ({tokens / seconds:.0f} "
-          f"tokens/s) on Ray Data ({workers} workers) -> {args.output_dir}", file=sys.stderr)  # fmt: skip
+    for shard in folder.shards():  # the Ray job's (this folder's others are in the index already)
+        index.add_shard(shard)
+    dimension = shard_dimension(folder.shards() or sorted({place.shard for place in index.places.values()}))
+    copy = run_local(scan, folder, written_ids(folder), NothingToEmbed(dimension, args.prompt), args.shard_rows, index)
+    seconds += time.perf_counter() - copy.started
+    print(f"{_written(rows + copy.rows, copy.reused, copy.deduplicated, _length(done), scan)}; {tokens} tokens in "
+          f"{seconds:.2f}s ({tokens / max(seconds, 1e-9):.0f} tokens/s) on Ray Data ({workers} workers) -> "
+          f"{args.output_dir}", file=sys.stderr)  # fmt: skip
 
 
 def _load_kwargs(args) -> dict:
@@ -271,12 +281,10 @@ def _load_kwargs(args) -> dict:
     return kwargs
 
 
-def _counts(rows: int, done_before: int, scan) -> str:
-    return f"{rows} rows embedded ({done_before} done before, {_rejected(scan)} rejected, {scan.rows} in the input)"
-
-
-def _rejected(scan) -> int:
-    return 0 if scan.rejects is None else scan.rejects.num_rows
+def _written(rows: int, reused: int, deduplicated: int, done_before: int, scan) -> str:
+    rejected = 0 if scan.rejects is None else scan.rejects.num_rows
+    return (f"{rows} rows written: {reused} reused, {deduplicated} deduplicated, {rows - reused - deduplicated} "
+            f"embedded ({done_before} done before, {rejected} rejected, {scan.rows} in the input)")  # fmt: skip
 
 
 def _length(done) -> int:

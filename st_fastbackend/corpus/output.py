@@ -241,12 +241,6 @@ class OutputFolder:
                 f"input and options, or start over in an empty folder (remove {self.path}, or write to another one)"
             )
 
-    def write_shard(self, name: str, ids: pa.Array, rows, columns: dict | None = None) -> None:
-        """ids and their rows (the kind's: embeddings [n, dim], SparseRows, MultiVectorRows; `columns` between them:
-        a chunk's index and character span) as one complete file, its size and sha256 recorded beside it first."""
-        table, dimension = self.rows_table(rows, columns)
-        self.write_table(name, table.add_column(0, self.spec.id_column, ids), dimension)
-
     def rows_table(self, rows, columns: dict | None = None) -> tuple[pa.Table, int]:
         """The kind's rows (and `columns` before them) as a table, and their dimension."""
         written, dimension = self.kind.write(rows, OUTPUT_DTYPES[self.spec.output_dtype])
