@@ -152,20 +152,8 @@ def shard_table(id_column: str, ids: pa.Array, texts: list[str], keys: list[byte
     """The rows of one input shard in input order (`ids` beside them, one per text), the counts and the tokens
     run. Each key found in `index` is copied, the first of each other key embedded (`embed`: texts ->
     their rows' columns but the key, each row's text number, tokens), and the later ones copy it."""
-    counts, new, first, sources = Counts(), [], {}, []
-    for key in keys:
-        if (found := index.places.get(key)) is not None:
-            sources.append(found)
-            counts.reused += found.earlier
-            counts.deduplicated += not found.earlier
-        elif key in first:
-            sources.append(first[key])
-            counts.deduplicated += 1
-        else:
-            first[key] = len(new)
-            sources.append(len(new))
-            new.append(len(sources) - 1)
-    counts.embedded, pool, tokens = len(new), [], 0
+    sources, new, counts = plan(keys, index)
+    pool, tokens = [], 0
     if new:
         try:
             table, text_of_row, tokens = embed([texts[i] for i in new])
@@ -177,15 +165,34 @@ def shard_table(id_column: str, ids: pa.Array, texts: list[str], keys: list[byte
         starts = np.cumsum([0, *per_text])
     offsets, take, owner = {}, [], []
     for position, source in enumerate(sources):
-        if isinstance(source, int):
+        if isinstance(source, int):  # the new text's rows, first in the pool
             start, count = int(starts[source]), int(per_text[source])
         else:
-            shard, start, count, _ = source
-            if shard not in offsets:
-                offsets[shard] = sum(len(table) for table in pool)
-                pool.append(index.rows(shard))
-            start += offsets[shard]
+            if source.shard not in offsets:
+                offsets[source.shard] = sum(len(table) for table in pool)
+                pool.append(index.rows(source.shard))
+            start, count = offsets[source.shard] + source.start, source.count
         take.append(np.arange(start, start + count))
         owner.append(np.full(count, position))
     rows = pa.concat_tables(pool).take(np.concatenate(take))
     return rows.add_column(0, id_column, ids.take(np.concatenate(owner))), counts, tokens
+
+
+def plan(keys: list[bytes], index: RowIndex) -> tuple[list[Place | int], list[int], Counts]:
+    """Where each text's rows come from: a Place, or the number of a new text (among this shard's first of each
+    key not in `index`); the new texts' positions; the counts."""
+    counts, new, first, sources = Counts(), [], {}, []
+    for position, key in enumerate(keys):
+        if (found := index.places.get(key)) is not None:
+            sources.append(found)
+            counts.reused += found.earlier
+            counts.deduplicated += not found.earlier
+        elif key in first:
+            sources.append(first[key])
+            counts.deduplicated += 1
+        else:
+            first[key] = len(new)
+            sources.append(len(new))
+            new.append(position)
+    counts.embedded = len(new)
+    return sources, new, counts
