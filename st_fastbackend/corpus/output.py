@@ -1,7 +1,7 @@
-"""The corpus job's output folder: parquet shards (the id column and the rows' columns, by the model's kind
-(OUTPUT_KINDS): `embedding`, a fixed-size list per row or a list of them per row of a multi-vector model, or a
-sparse model's `indices` and `values`), a record of each one's size and sha256, rejects.parquet, and manifest.json
-written last.
+"""The corpus job's output folder: parquet shards (the id column, each row's content key (reuse.py) and the rows'
+columns, by the model's kind (OUTPUT_KINDS): `embedding`, a fixed-size list per row or a list of them per row of a
+multi-vector model, or a sparse model's `indices` and `values`), a record of each one's size, sha256 and texts
+reused, deduplicated and embedded, rejects.parquet, and manifest.json written last.
 
 A shard is written under a hidden temporary name and renamed when complete, its record (.part-*.parquet.json)
 written just before, so a run killed at any moment leaves only temporary files and records without a shard,
