@@ -7,10 +7,16 @@ between the loop's and the job's embeddings, id by id.
     python eval/bench_corpus.py                           # 20,000 Wikipedia paragraphs and the SciFact corpus
     python eval/bench_corpus.py --wiki-rows 4000 --scifact-rows 1000   # a busy 2-core machine
     python eval/bench_corpus.py --no-loop                 # embed-corpus and --ray only: Ray's overhead
+    python eval/bench_corpus.py --reindex                 # SciFact edited, re-embedded with --reuse (issue 49)
 
 WikiText-2's test split has 2,185 paragraphs (../shared/data/wikitext2/SOURCE.md): the Wikipedia corpus cycles
 through them to --wiki-rows rows, each with its own id. SciFact's 5,183 documents are embedded as MTEB
 embeds them, title + " " + text. The inputs are written to a temporary folder, never into the repository.
+
+--reindex: the SciFact corpus embedded whole, then a nightly edit of it (EDITED of the documents changed, DELETED
+removed, ADDED new ones from Wikipedia appended) embedded twice: with --reuse of the first output, and whole. Prints
+both times, their ratio (goal: at most 10%), the counts the --reuse run gives, and checks every row against the
+whole run: the same ids and content keys, embeddings within max |diff|.
 """
 
 from __future__ import annotations
@@ -45,6 +51,40 @@ def scifact_corpus(data_dir: Path, rows: int | None, path: Path) -> Path:
     return path
 
 
+EDITED, DELETED, ADDED = 0.05, 0.01, 0.02
+
+
+def nightly_edit(data_dir: Path, corpus: Path, path: Path) -> Path:
+    """`corpus` with every 20th document's text changed, every 100th removed and 2% more appended, in its order."""
+    table = pq.read_table(corpus)
+    ids, texts = table.column("id").to_pylist(), table.column("text").to_pylist()
+    edited = [(i, f"{text} (revised)" if k % round(1 / EDITED) == 7 else text)
+              for k, (i, text) in enumerate(zip(ids, texts, strict=True)) if k % round(1 / DELETED) != 3]  # fmt: skip
+    paragraphs = data.paragraphs(data_dir)
+    edited += [(f"added-{k}", paragraphs[k % len(paragraphs)]) for k in range(round(ADDED * len(ids)))]
+    pq.write_table(pa.table({"id": [i for i, _ in edited], "text": [text for _, text in edited]}), path)
+    return path
+
+
+def run_reindex(data_dir: Path, corpus: Path, work: Path, model: str) -> None:
+    cli = [sys.executable, "-m", "st_fastbackend.cli", "embed-corpus"]
+    common = ["--model", model, "--batch-size", str(BATCH_SIZE), "--shard-rows", str(SHARD_ROWS), "--device", "cpu"]
+    edited = nightly_edit(data_dir, corpus, work / "scifact-edited.parquet")
+    seconds, _ = timed([*cli, str(corpus), str(work / "first"), *common])
+    print(f"  first full run {seconds:.1f}s", flush=True)
+    reuse, summary = timed([*cli, str(edited), str(work / "reused"), *common, "--reuse", str(work / "first")])
+    print(f"  edited, --reuse: {reuse:.1f}s ({summary})", flush=True)
+    full, _ = timed([*cli, str(edited), str(work / "full"), *common])
+    print(f"  edited, full run: {full:.1f}s", flush=True)
+    got, clean = (shards(work / name).sort_by("id").select(["id", "content_key"]) for name in ("reused", "full"))
+    assert got.equals(clean), "the outputs hold other ids or content keys"
+    reused, whole = embeddings(work / "reused"), embeddings(work / "full")
+    diff = max(np.abs(reused[k] - whole[k]).max() for k in whole)
+    print(f"\nscifact re-index: {len(got)} rows ({EDITED:.0%} edited, {DELETED:.0%} deleted, {ADDED:.0%} added)")
+    print(f"--reuse {reuse:.1f}s, full run {full:.1f}s: {reuse / full:.1%} of the full run (goal: at most 10%); "
+          f"every row's id and key equal, max |diff| {diff:.1e}")  # fmt: skip
+
+
 def encode_loop(corpus: str, output: str, model_name: str) -> None:
     """What a user writes today: read a chunk, encode it, write it."""
     from st_fastbackend import SentenceTransformer
@@ -65,8 +105,12 @@ def timed(command: list[str]) -> tuple[float, str]:
     return time.perf_counter() - start, (run.stderr.decode(errors="replace").strip().splitlines() or [""])[-1]
 
 
+def shards(folder: Path) -> pa.Table:
+    return pa.concat_tables(pq.read_table(shard) for shard in sorted(folder.glob("part-*.parquet")))
+
+
 def embeddings(folder: Path) -> dict:
-    table = pa.concat_tables(pq.read_table(shard) for shard in sorted(folder.glob("part-*.parquet")))
+    table = shards(folder)
     values = table.column("embedding").combine_chunks()
     rows = np.asarray(values.flatten()).reshape(len(table), values.type.list_size)
     return dict(zip(table.column("id").to_pylist(), rows, strict=True))
@@ -116,7 +160,14 @@ def main() -> None:
     parser.add_argument("--corpora", nargs="+", default=["wiki", "scifact"], choices=["wiki", "scifact"])
     parser.add_argument("--ray-workers", type=int, default=None, help="actors; default: embed-corpus's layout")
     parser.add_argument("--no-loop", action="store_true", help="only embed-corpus and --ray (Ray's overhead)")
+    parser.add_argument("--reindex", action="store_true", help="SciFact edited, re-embedded with --reuse")
     args = parser.parse_args()
+    if args.reindex:
+        with tempfile.TemporaryDirectory(prefix="bench_corpus_") as tmp:
+            work = Path(tmp)
+            run_reindex(args.data_dir, scifact_corpus(args.data_dir, args.scifact_rows, work / "scifact.parquet"),
+                        work, args.model)  # fmt: skip
+        return
     print(f"model {args.model}, {os.cpu_count()} CPUs, batch size {BATCH_SIZE}, shards of {SHARD_ROWS} rows")
     with tempfile.TemporaryDirectory(prefix="bench_corpus_") as tmp:
         work = Path(tmp)

@@ -49,6 +49,9 @@ def add_embed_corpus(commands, formatter_class) -> None:
     corpus.add_argument("--quantize", default=None, choices=["int8"], help=QUANTIZE_HELP)
     corpus.add_argument("--output-dtype", default="float32", choices=("float32", "float16"),
                         help="of the embeddings (a sparse model's values, a multi-vector one's vectors)")  # fmt: skip
+    corpus.add_argument("--reuse", action="append", default=[], metavar="PREVIOUS_OUT",
+                        help="an earlier output of the same model and options: its rows of texts in INPUT are copied, "
+                             "not embedded again (repeatable)")  # fmt: skip
     corpus.add_argument("--skip-invalid", action="store_true",
                         help="list rows whose id or text is null, or whose text is not a string, in rejects.parquet, "
                              "not stop")  # fmt: skip
@@ -106,7 +109,7 @@ def embed_corpus(args: argparse.Namespace) -> None:
             done = folder.prepare(scan.rows - rejected, output_width(args.model))
             for line in folder.untrusted:
                 print(f"st-fastbackend: warning: {line}", file=sys.stderr)
-            (_run_ray if args.ray else _run_local)(args, scan, folder, done)
+            (_run_ray if args.ray else _run_local)(args, scan, folder, done, _row_index(args, folder))
     except CorpusError as error:
         raise CliError(str(error)) from error
 
@@ -120,6 +123,21 @@ def _output_folder(args: argparse.Namespace, scan, kind):
                    args.text_column, args.prompt, args.prompt_name, args.output_dtype, args.max_seq_length, args.dtype,
                    args.matmul_precision, args.chunking, args.quantize)  # fmt: skip
     return OutputFolder(args.output_dir, spec, kind)
+
+
+def _row_index(args: argparse.Namespace, folder):
+    """Where the rows already embedded are: the --reuse outputs (checked now, before the model loads) and this
+    folder's complete shards."""
+    from pathlib import Path
+
+    from st_fastbackend.corpus.reuse import RowIndex, row_columns
+
+    index = RowIndex(row_columns(folder))
+    for path in args.reuse:
+        index.add_output(Path(path), folder)
+    for shard in folder.shards():  # those prepare() trusts
+        index.add_shard(shard)
+    return index
 
 
 def _output_kind(args: argparse.Namespace):
@@ -180,7 +198,7 @@ def _check_ray_options(args: argparse.Namespace) -> None:
             raise CliError(str(error)) from error
 
 
-def _run_local(args, scan, folder, done) -> None:
+def _run_local(args, scan, folder, done, index) -> None:
     from st_fastbackend.corpus.job import embedder_for, run_local
     from st_fastbackend.corpus.output import OUTPUT_KINDS
     from st_fastbackend.models.chunking import Chunking
@@ -192,19 +210,29 @@ def _run_local(args, scan, folder, done) -> None:
                              chunking=Chunking(**args.chunking) if args.chunking else None)  # fmt: skip
     except ValueError as error:  # an unknown prompt name
         raise CliError(first_line(error)) from error
-    progress = run_local(scan, folder, done, embed, args.shard_rows)
+    progress = run_local(scan, folder, done, embed, args.shard_rows, index)
     seconds = time.perf_counter() - progress.started
-    print(f"{_counts(progress.rows, _length(done), scan)}, {progress.shards} new shards; {progress.tokens} tokens "
+    print(f"{_written(progress.rows, progress.reused, progress.deduplicated, _length(done), scan)}, "
+          f"{progress.shards} new shards; {progress.tokens} tokens "
           f"in {seconds:.2f}s ({progress.tokens_per_second():.0f} tokens/s); {describe(model)} -> {args.output_dir}",
           file=sys.stderr)  # fmt: skip
 
 
-def _run_ray(args, scan, folder, done) -> None:
+def _run_ray(args, scan, folder, done, index) -> None:
     import ray
     import ray.data
     from sentence_transformers.util import get_device_name
 
-    from st_fastbackend.corpus.on_ray import layout_here, run_ray, shard_dimension, start_ray
+    from st_fastbackend.corpus.job import run_local
+    from st_fastbackend.corpus.on_ray import (
+        NothingToEmbed,
+        copy_plan,
+        layout_here,
+        run_ray,
+        shard_dimension,
+        start_ray,
+        written_ids,
+    )
 
     workers, cpus = args.num_workers or 1, args.cpus_per_worker or 1
     if not (args.ray_address or ray.is_initialized() or args.gpus_per_worker):  # Ray on this machine
@@ -220,8 +248,11 @@ def _run_ray(args, scan, folder, done) -> None:
     context = ray.data.DataContext.get_current()
     wrapped = context.raise_original_map_exception
     context.raise_original_map_exception = True  # a worker's error arrives as it raised it, under Ray's `cause`
+    copied, left = copy_plan(scan, folder, done, index)
+    rows, tokens, seconds = 0, 0, 0.0
     try:
-        rows, tokens, seconds = run_ray(scan, folder, done, args.model, options, args.shard_rows)
+        if left:
+            rows, tokens, seconds = run_ray(scan, folder, copied, args.model, options, args.shard_rows)
     except PoolError as error:  # a pool this cluster cannot run, refused before any task
         raise CliError(str(error)) from error
     except Exception as error:  # one line (the worker's own error where there is one); --debug shows it whole
@@ -230,9 +261,14 @@ def _run_ray(args, scan, folder, done) -> None:
         raise CliError(f"the Ray job failed: {first_line(getattr(error, 'cause', None) or error)}") from error
     finally:
         context.raise_original_map_exception = wrapped
-    folder.finish(scan, shard_dimension(folder), args.prompt)
-    print(f"{_counts(rows, _length(done), scan)}; {tokens} tokens in {seconds:.2f}s ({tokens / seconds:.0f} "
-          f"tokens/s) on Ray Data ({workers} workers) -> {args.output_dir}", file=sys.stderr)  # fmt: skip
+    for shard in folder.shards():  # the Ray job's (this folder's others are in the index already)
+        index.add_shard(shard)
+    dimension = shard_dimension(folder.shards() or sorted({place.shard for place in index.places.values()}))
+    copy = run_local(scan, folder, written_ids(folder), NothingToEmbed(dimension, args.prompt), args.shard_rows, index)
+    seconds += time.perf_counter() - copy.started
+    print(f"{_written(rows + copy.rows, copy.reused, copy.deduplicated, _length(done), scan)}; {tokens} tokens in "
+          f"{seconds:.2f}s ({tokens / max(seconds, 1e-9):.0f} tokens/s) on Ray Data ({workers} workers) -> "
+          f"{args.output_dir}", file=sys.stderr)  # fmt: skip
 
 
 def _load_kwargs(args) -> dict:
@@ -245,9 +281,10 @@ def _load_kwargs(args) -> dict:
     return kwargs
 
 
-def _counts(rows: int, done_before: int, scan) -> str:
+def _written(rows: int, reused: int, deduplicated: int, done_before: int, scan) -> str:
     rejected = 0 if scan.rejects is None else scan.rejects.num_rows
-    return f"{rows} rows embedded ({done_before} done before, {rejected} rejected, {scan.rows} in the input)"
+    return (f"{rows} rows written: {reused} reused, {deduplicated} deduplicated, {rows - reused - deduplicated} "
+            f"embedded ({done_before} done before, {rejected} rejected, {scan.rows} in the input)")  # fmt: skip
 
 
 def _length(done) -> int:

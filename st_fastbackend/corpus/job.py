@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -25,6 +25,7 @@ from st_fastbackend.corpus.read import (
     read_batches,
     still_to_embed,
 )
+from st_fastbackend.corpus.reuse import RowIndex, content_keys, numbers_identity, shard_table
 from st_fastbackend.embedder import DOCUMENT_PROMPTS, Embedder
 from st_fastbackend.models.chunked import aggregate, pipeline_normalizes
 from st_fastbackend.models.chunking import Chunking
@@ -156,10 +157,13 @@ def pending_rows(scan: InputScan, columns: Columns, done: pa.Array | None) -> It
 
 @dataclass
 class Progress:
-    """Rows and tokens embedded by this run, for the bar and the summary line."""
+    """Rows written by this run (texts copied, deduplicated, embedded) and tokens run, for the bar and the summary
+    line."""
 
     done_before: int
     rows: int = 0
+    reused: int = 0
+    deduplicated: int = 0
     tokens: int = 0
     shards: int = 0
     started: float = 0.0
@@ -169,29 +173,42 @@ class Progress:
 
 
 def run_local(scan: InputScan, folder: OutputFolder, done: pa.Array | None, embed: TextEmbedder | DocumentEmbedder,
-              shard_rows: int) -> Progress:  # fmt: skip
-    """Embed every pending row a shard at a time (`done`: from folder.prepare()); the manifest is written once
-    all are done."""
+              shard_rows: int, index: RowIndex) -> Progress:  # fmt: skip
+    """Write every pending row a shard at a time (`done`: from folder.prepare(); `index`: the rows already
+    embedded, reuse.py), embedding the texts `index` does not hold; the manifest is written once all are done."""
     columns = Columns(folder.spec.id_column, folder.spec.text_column)
     rejected = 0 if scan.rejects is None else scan.rejects.num_rows
     progress = Progress(done_before=0 if done is None else len(done), started=time.perf_counter())
-    run = new_run_name()
+    run, identity = new_run_name(), numbers_identity(folder.spec)
     bar = tqdm(total=scan.rows - rejected, initial=progress.done_before, unit="rows", desc="Embedding",
                mininterval=1.0, dynamic_ncols=True)  # fmt: skip
     with bar:
         for shard in in_shards(pending_rows(scan, columns, done), shard_rows):
             texts = shard.column(columns.text).to_pylist()
             try:
-                rows, tokens, extra = embed.chunks(texts) if embed.chunking else (*embed(texts), {})
+                table, counts, tokens = shard_table(columns.id, shard.column(columns.id), texts,
+                                                    content_keys(texts, identity), index,
+                                                    lambda new: new_rows(embed, folder, new))  # fmt: skip
             except NoTokensError as error:
                 row = f"the row with {columns.id} {shard.column(columns.id)[error.index].as_py()!r}"
                 raise CorpusError(f"{error.about(row)}; this shard was not written") from error
-            ids = shard.column(columns.id).take(extra.pop("row")) if "row" in extra else shard.column(columns.id)
-            folder.write_shard(f"part-{run}-00000-{progress.shards:05d}.parquet", ids, rows, extra)
+            name = f"part-{run}-00000-{progress.shards:05d}.parquet"
+            folder.write_table(name, table, embed.dimension, asdict(counts))
+            index.add_shard(folder.path / name)
             progress.rows += len(texts)
-            progress.tokens += int(np.sum(tokens))
+            progress.reused += counts.reused
+            progress.deduplicated += counts.deduplicated
+            progress.tokens += tokens
             progress.shards += 1
             bar.update(len(texts))
             bar.set_postfix_str(f"{progress.tokens_per_second():,.0f} tokens/s", refresh=False)
     folder.finish(scan, embed.dimension, embed.prompt)
     return progress
+
+
+def new_rows(embed: TextEmbedder | DocumentEmbedder, folder: OutputFolder,
+             texts: list[str]) -> tuple[pa.Table, np.ndarray, int]:  # fmt: skip
+    """The texts' rows as a table (a chunk's index and span before them), each row's text number, tokens run."""
+    rows, tokens, extra = embed.chunks(texts) if embed.chunking else (*embed(texts), {})
+    text_of_row = np.asarray(extra.pop("row", range(len(texts))), np.int64)
+    return folder.rows_table(rows, extra)[0], text_of_row, int(np.sum(tokens))

@@ -1,13 +1,16 @@
 """The corpus job on Ray Data: read -> drop the rows done or invalid -> blocks of one actor call's rows ->
 embed_dataset's actors (the fast model loaded once per worker) -> ShardSink. The sink writes shards exactly as
-the local job does (whole or not at all, the job's identity in their metadata), so either job resumes a folder
-the other began. The output folder must be one path every node reaches (a shared filesystem on a cluster)."""
+the local job does (whole or not at all, the job's identity and each row's content key in them), so either job
+resumes a folder the other began. Only the first row of each text not embedded yet goes to Ray (copy_plan); the
+driver then writes the others, copied as the local job copies them (reuse.py). The output folder must be one path
+every node reaches (a shared filesystem on a cluster)."""
 
 from __future__ import annotations
 
 import os
 import time
 from collections.abc import Iterable
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +22,7 @@ import ray.data
 from ray.data.block import BlockAccessor
 from ray.data.datasource import Datasink
 
+from st_fastbackend.corpus.job import pending_rows
 from st_fastbackend.corpus.output import OutputFolder, new_run_name
 from st_fastbackend.corpus.read import (
     FORMATS,
@@ -29,6 +33,7 @@ from st_fastbackend.corpus.read import (
     read_batches,
     still_to_embed,
 )
+from st_fastbackend.corpus.reuse import KEY, KEY_TYPE, Counts, RowIndex, content_keys, numbers_identity
 from st_fastbackend.integrations.ray import ROWS_PER_CALL, embed_dataset
 
 
@@ -77,11 +82,11 @@ TOKENS = "__st_fastbackend_tokens"  # each row's token count, from the actors to
 
 class ShardSink(Datasink):
     """Each write task cuts what it receives into shards of `shard_rows` rows, written whole or not at all, and
-    returns the rows and tokens it wrote; `tokens`: their sum, once the job is done."""
+    returns the rows and tokens it wrote; `rows` and `tokens`: their sums, once the job is done."""
 
     def __init__(self, folder: OutputFolder, run: str, shard_rows: int) -> None:
         self.folder, self.run, self.shard_rows = folder, run, shard_rows
-        self.tokens = 0
+        self.rows = self.tokens = 0
 
     @property
     def min_rows_per_write(self) -> int:
@@ -91,16 +96,21 @@ class ShardSink(Datasink):
         tables = (BlockAccessor.for_block(block).to_arrow() for block in blocks)
         batches = (batch for table in tables for batch in table.to_batches())
         written = tokens = 0
+        spec = self.folder.spec
         for index, shard in enumerate(in_shards(batches, self.shard_rows)):
             tokens += pc.sum(shard.column(TOKENS)).as_py() or 0
             embedding = shard.column("embedding").combine_chunks()
             rows = np.asarray(embedding.flatten()).reshape(len(shard), embedding.type.list_size)
+            table, dimension = self.folder.rows_table(rows)
+            keys = pa.array(content_keys(shard.column(spec.text_column).to_pylist(), numbers_identity(spec)), KEY_TYPE)
+            table = table.add_column(0, KEY, keys).add_column(0, spec.id_column, shard.column(spec.id_column))
             name = f"part-{self.run}-{ctx.task_idx:05d}-{index:05d}.parquet"
-            self.folder.write_shard(name, shard.column(self.folder.spec.id_column), rows)
+            self.folder.write_table(name, table, dimension, asdict(Counts(embedded=len(shard))))
             written += len(shard)
         return written, tokens
 
     def on_write_complete(self, write_result) -> None:
+        self.rows = sum(rows for rows, _ in write_result.write_returns)
         self.tokens = sum(tokens for _, tokens in write_result.write_returns)
 
 
@@ -114,14 +124,49 @@ def run_ray(scan: InputScan, folder: OutputFolder, done: pa.Array | None, model:
     ds = embed_dataset(ds, model, text_column=columns.text, token_column=TOKENS, id_column=columns.id, **options)
     sink = ShardSink(folder, new_run_name(), shard_rows)
     ds.write_datasink(sink)
-    rows = sum(pq.read_metadata(shard).num_rows for shard in folder.shards())
-    return rows - (0 if done is None else len(done)), sink.tokens, time.perf_counter() - start
+    return sink.rows, sink.tokens, time.perf_counter() - start
 
 
-def shard_dimension(folder: OutputFolder) -> int | None:
+def copy_plan(scan: InputScan, folder: OutputFolder, done: pa.Array | None,
+              index: RowIndex) -> tuple[pa.Array | None, int]:  # fmt: skip
+    """The ids of the pending rows the driver copies after the Ray job (their text's rows are in `index`, or an
+    earlier pending row has that text) with `done`'s, and how many rows are left to Ray."""
+    columns, identity = Columns(folder.spec.id_column, folder.spec.text_column), numbers_identity(folder.spec)
+    seen, copied, embedded = set(), [] if done is None else [done], 0
+    for batch in pending_rows(scan, columns, done):
+        keys = content_keys(batch.column(columns.text).to_pylist(), identity)
+        copy = []
+        for key in keys:
+            copy.append(key in index.places or key in seen)
+            seen.add(key)
+        copied.append(batch.column(columns.id).filter(pa.array(copy)))
+        embedded += len(keys) - sum(copy)
+    copied = [chunk.cast(copied[0].type) for chunk in copied if len(chunk)]
+    return (pa.concat_arrays(copied) if copied else None), embedded
+
+
+def written_ids(folder: OutputFolder) -> pa.Array | None:
+    """The ids of every shard in the folder (after the Ray job: those prepare() trusted and the new ones)."""
+    ids = [pq.read_table(shard, columns=[folder.spec.id_column]).column(0) for shard in folder.shards()]
+    chunks = [chunk.cast(ids[0].type) for column in ids for chunk in column.chunks]
+    return pa.concat_arrays(chunks) if chunks else None
+
+
+def shard_dimension(shards: list[Path]) -> int | None:
     """The embeddings' width, from a shard (the driver of a Ray job never loads the model); None: no shards."""
-    shards = folder.shards()
     return pq.read_schema(shards[0]).field("embedding").type.list_size if shards else None
+
+
+class NothingToEmbed:
+    """The embedder of the driver's copy pass after the Ray job (job.run_local): every text's rows are written."""
+
+    chunking = None
+
+    def __init__(self, dimension: int | None, prompt: str | None) -> None:
+        self.dimension, self.prompt = dimension, prompt
+
+    def __call__(self, texts: list[str]):
+        raise RuntimeError(f"{len(texts)} texts were left to embed after the Ray job")  # a bug, not the input's
 
 
 ACTOR_MEMORY = 1 << 30  # an actor's memory beside its weights: PyTorch, Ray's worker, activations

@@ -1,7 +1,7 @@
-"""The corpus job's output folder: parquet shards (the id column and the rows' columns, by the model's kind
-(OUTPUT_KINDS): `embedding`, a fixed-size list per row or a list of them per row of a multi-vector model, or a
-sparse model's `indices` and `values`), a record of each one's size and sha256, rejects.parquet, and manifest.json
-written last.
+"""The corpus job's output folder: parquet shards (the id column, each row's content key (reuse.py) and the rows'
+columns, by the model's kind (OUTPUT_KINDS): `embedding`, a fixed-size list per row or a list of them per row of a
+multi-vector model, or a sparse model's `indices` and `values`), a record of each one's size, sha256 and texts
+reused, deduplicated and embedded, rejects.parquet, and manifest.json written last.
 
 A shard is written under a hidden temporary name and renamed when complete, its record (.part-*.parquet.json)
 written just before, so a run killed at any moment leaves only temporary files and records without a shard,
@@ -118,6 +118,13 @@ OUTPUT_KINDS = {
 }
 
 
+def texts_counts(shards: list[dict]) -> dict:
+    """The input rows the shards hold: copied from an earlier output, repeated in the same run, embedded (a shard
+    written without these counts, by --ray or before them, embedded all of its rows)."""
+    return {name: sum(shard.get(name, shard["rows"] if name == "embedded" else 0) for shard in shards)
+            for name in ("reused", "deduplicated", "embedded")}  # fmt: skip
+
+
 def model_name(model: str) -> str:
     path = Path(model).expanduser()
     return str(path.resolve()) if path.is_dir() else model
@@ -148,7 +155,7 @@ class OutputFolder:
             leftover.unlink()
         check_writable(self.path)
         self._check_manifest()
-        verdicts = [(shard, self._verify(shard)) for shard in self.shards()]
+        verdicts = [(shard, self.verify(shard)) for shard in self.shards()]
         for shard, why in verdicts:  # refuse another job's folder before moving anything
             if why is None or why == NO_RECORD:
                 self._check_same_job(shard)
@@ -170,7 +177,7 @@ class OutputFolder:
         records = self.path.glob(".part-*.parquet.json")
         return [record for record in records if not (self.path / record.name[1 : -len(".json")]).exists()]
 
-    def _verify(self, shard: Path) -> str | None:
+    def verify(self, shard: Path) -> str | None:
         """Why `shard` cannot be trusted, or None: its size and sha256 are the ones recorded when it was written."""
         try:
             record = json.loads(self.record(shard).read_text())
@@ -234,15 +241,18 @@ class OutputFolder:
                 f"input and options, or start over in an empty folder (remove {self.path}, or write to another one)"
             )
 
-    def write_shard(self, name: str, ids: pa.Array, rows, columns: dict | None = None) -> None:
-        """ids and their rows (the kind's: embeddings [n, dim], SparseRows, MultiVectorRows; `columns` between them:
-        a chunk's index and character span) as one complete file, its size and sha256 recorded beside it first."""
+    def rows_table(self, rows, columns: dict | None = None) -> tuple[pa.Table, int]:
+        """The kind's rows (and `columns` before them) as a table, and their dimension."""
         written, dimension = self.kind.write(rows, OUTPUT_DTYPES[self.spec.output_dtype])
-        table = pa.table({self.spec.id_column: ids, **(columns or {}), **written})
+        return pa.table({**(columns or {}), **written}), dimension
+
+    def write_table(self, name: str, table: pa.Table, dimension: int, counts: dict | None = None) -> None:
+        """A shard's table as one complete file, its size, sha256 and `counts` (reuse.py's, of its texts) recorded
+        beside it first."""
         sink = pa.BufferOutputStream()
         pq.write_table(table.replace_schema_metadata(self.metadata(dimension)), sink)
         data = sink.getvalue()
-        record = {"rows": len(ids), "bytes": data.size, "sha256": hashlib.sha256(data).hexdigest()}
+        record = {"rows": len(table), "bytes": data.size, "sha256": hashlib.sha256(data).hexdigest(), **(counts or {})}
         write_file(self.record(self.path / name), json.dumps(record).encode() + b"\n")
         write_file(self.path / name, data)
 
@@ -270,7 +280,7 @@ class OutputFolder:
             "id_column": self.spec.id_column, "prompt": prompt,
             "rows": {"input": scan.rows, "embedded": sum(shard["rows"] for shard in shards), "rejected": rejected},
             "input": {"files": [str(path) for path in scan.files], "fingerprint": scan.fingerprint},
-            "shards": shards, "job": asdict(self.spec), "st_fastbackend": __version__,
+            "texts": texts_counts(shards), "shards": shards, "job": asdict(self.spec), "st_fastbackend": __version__,
         }  # fmt: skip
         write_file(self.path / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
         return manifest

@@ -35,8 +35,8 @@ def test_ray_cli_resumes_what_the_local_job_began(folder, texts, expected, tmp_p
     capsys.readouterr()
     main([*arguments, "--ray", "--num-workers", "1", "--shard-rows", "10"])
     tokens = sum(map(len, SentenceTransformer(str(folder), backend="fast")[0].texts.encode(texts[20:30])))
-    assert f"10 rows embedded (30 done before, 0 rejected, {len(texts)} in the input); {tokens} tokens in " in (
-        capsys.readouterr().err)  # fmt: skip
+    assert f"10 rows written: 0 reused, 0 deduplicated, 10 embedded (30 done before, 0 rejected, {len(texts)} in " \
+        f"the input); {tokens} tokens in " in capsys.readouterr().err  # fmt: skip
     got = by_id(*read_output(tmp_path / "out"))  # no id twice
     assert sorted(got) == sorted(ids) and len(list((tmp_path / "out").glob("part-*.parquet"))) == 4
     assert max(np.abs(got[row_id] - expected[i]).max() for i, row_id in enumerate(ids)) < TOLERANCE

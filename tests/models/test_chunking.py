@@ -208,7 +208,8 @@ def test_embed_corpus_chunk_rows_and_aggregate(st_model, tmp_path, capsys):
     rows = np.stack(table.column("embedding").to_numpy(zero_copy_only=False))
     assert max_diff(rows, np.concatenate([c.embeddings for c in expected])) <= TOLERANCE
     embed_corpus(source, tmp_path / "chunks", "--model", folder, "--chunk-tokens", 24, "--chunk-overlap", 4)
-    assert "0 rows embedded (4 done before" in capsys.readouterr().err  # resumed by document id: nothing left
+    found = capsys.readouterr().err  # resumed by document id: nothing left
+    assert "0 rows written: 0 reused, 0 deduplicated, 0 embedded (4 done before" in found
 
     embed_corpus(source, tmp_path / "mean", "--model", folder, "--chunk-tokens", 24, "--aggregate", "mean")
     table = pq.read_table(sorted((tmp_path / "mean").glob("part-*.parquet")))

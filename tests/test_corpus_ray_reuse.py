@@ -1,0 +1,36 @@
+"""`embed-corpus --ray` with content keys and --reuse, on a local Ray of 2 CPUs: only the first row of each text
+not embedded yet goes to the actors, the driver copies the others; an edited input reusing a local output equals a
+clean local run, the reused rows bit for bit; a Ray output is reused by a local job in turn."""
+
+import numpy as np
+import pytest
+from corpus_files import embed_corpus, manifest, write_parquet
+from test_corpus_reuse import assert_equal_rows, edited, output, rows_of
+
+ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+
+def test_ray_reuses_an_edited_input_and_is_reused(folder, texts, tmp_path, capsys):
+    before, after, counts = edited(texts)
+    write_parquet(tmp_path / "before.parquet", *map(list, zip(*before, strict=True)))
+    write_parquet(tmp_path / "after.parquet", *map(list, zip(*after, strict=True)))
+    common = ("--model", folder, "--shard-rows", 7)
+    embed_corpus(tmp_path / "before.parquet", tmp_path / "previous", *common)
+    capsys.readouterr()
+    embed_corpus(tmp_path / "after.parquet", tmp_path / "out", *common, "--reuse", tmp_path / "previous", "--ray",
+                 "--num-workers", 1)  # fmt: skip
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"{len(after)} rows written: 25 reused, 1 deduplicated, 7 embedded (0 done before, ")
+    embed_corpus(tmp_path / "after.parquet", tmp_path / "clean", *common)
+    got, clean, first = output(tmp_path / "out"), output(tmp_path / "clean"), output(tmp_path / "previous")
+    assert_equal_rows(got, clean)
+    kept = [f"doc-{i}" for i in range(6, 30)]
+    assert rows_of(got, kept).equals(rows_of(first, kept))
+    assert rows_of(got, ["dup-new"]).equals(rows_of(got, ["doc-30"]))
+    assert manifest(tmp_path / "out")["texts"] == counts
+
+    embed_corpus(tmp_path / "after.parquet", tmp_path / "again", *common, "--reuse", tmp_path / "out")
+    assert manifest(tmp_path / "again")["texts"] == {"reused": len(after), "deduplicated": 0, "embedded": 0}
+    assert output(tmp_path / "again").equals(got)
+    assert np.array_equal(output(tmp_path / "again").column("content_key"), clean.column("content_key"))
