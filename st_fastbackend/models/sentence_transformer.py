@@ -19,7 +19,7 @@ from torch import Tensor
 from st_fastbackend.engine.spec import UnsupportedModelError
 from st_fastbackend.models.chunked import aggregate, chunk_vectors, pipeline_normalizes
 from st_fastbackend.models.chunking import Chunking, Chunks
-from st_fastbackend.models.fast import FastModel, PackRows, default_module_kwargs, text_tokens
+from st_fastbackend.models.fast import FastModel, PackRows, text_tokens
 from st_fastbackend.modules import PackedPooling, PackedTransformer
 
 OUTPUT_VALUES = ("sentence_embedding", "token_embeddings", None)
@@ -42,20 +42,10 @@ class SentenceTransformer(FastModel, sentence_transformers.SentenceTransformer):
         if len(modules) > 1 and not isinstance(modules[1], PackedPooling):
             raise UnsupportedModelError(f"{type(modules[1]).__name__} after the Transformer module")
 
-    def _load_default_modules(
-        self, model_name_or_path: str, token, cache_folder, revision=None, trust_remote_code=False,
-        local_files_only=False, model_kwargs=None, processor_kwargs=None, config_kwargs=None,
-    ) -> tuple[list, dict]:  # fmt: skip
+    def default_modules(self, model_name_or_path: str, kwargs: dict[str, dict]) -> tuple[list, dict]:
         """A bare Hugging Face checkpoint, built as plain sentence-transformers builds it: the Transformer from its
         constructor (sentence_bert_config.json is not read on this path, so max_seq_length is the tokenizer's,
         capped at the positions), last-token pooling for causal LMs, mean otherwise."""
-        if self.backend != "fast":
-            return super()._load_default_modules(
-                model_name_or_path, token, cache_folder, revision, trust_remote_code, local_files_only,
-                model_kwargs, processor_kwargs, config_kwargs,
-            )  # fmt: skip
-        kwargs = default_module_kwargs(token, cache_folder, revision, trust_remote_code, local_files_only,
-                                       model_kwargs, processor_kwargs, config_kwargs)  # fmt: skip
         transformer = PackedTransformer(model_name_or_path, **kwargs)
         architectures = transformer.config.architectures or [""]
         causal = architectures[0].endswith("ForCausalLM") and getattr(transformer.config, "is_causal", True)

@@ -22,7 +22,7 @@ from sentence_transformers.util import select_max_active_dims
 from torch import Tensor
 
 from st_fastbackend.engine.spec import UnsupportedModelError
-from st_fastbackend.models.fast import FastModel, PackRows, check_budget, default_module_kwargs, text_tokens
+from st_fastbackend.models.fast import FastModel, PackRows, check_budget, text_tokens
 from st_fastbackend.modules import PackedPooling, PackedTransformer
 from st_fastbackend.modules.files import architectures
 from st_fastbackend.modules.options import task_config
@@ -86,19 +86,9 @@ class SparseEncoder(FastModel, sentence_transformers.SparseEncoder):
         after = ", ".join(cls.__name__ for cls in rest) or "nothing"
         raise UnsupportedModelError(f"A SparseEncoder pipeline of {type(first).__name__} followed by {after}")
 
-    def _load_default_modules(
-        self, model_name_or_path: str, token, cache_folder, revision=None, trust_remote_code=False,
-        local_files_only=False, model_kwargs=None, processor_kwargs=None, config_kwargs=None,
-    ) -> tuple[list, dict]:  # fmt: skip
+    def default_modules(self, model_name_or_path: str, kwargs: dict[str, dict]) -> tuple[list, dict]:
         """A bare Hugging Face checkpoint, as plain sentence-transformers builds it: a *ForMaskedLM as a fill-mask
         Transformer with max SpladePooling. (Any other it gives an untrained SparseAutoEncoder: refused.)"""
-        if self.backend != "fast":
-            return super()._load_default_modules(
-                model_name_or_path, token, cache_folder, revision, trust_remote_code, local_files_only,
-                model_kwargs, processor_kwargs, config_kwargs,
-            )  # fmt: skip
-        kwargs = default_module_kwargs(token, cache_folder, revision, trust_remote_code, local_files_only,
-                                       model_kwargs, processor_kwargs, config_kwargs)  # fmt: skip
         found = architectures(model_name_or_path, kwargs["config_kwargs"])
         if not any(name.endswith("ForMaskedLM") for name in found):
             raise UnsupportedModelError("A bare checkpoint that is not a *ForMaskedLM as a SparseEncoder (sentence-"

@@ -3,7 +3,15 @@
 import numpy as np
 import pytest
 import torch
-from helpers import DATA_DIR, DEVICE, as_numpy, load_both, minilm_path, needs_data
+from helpers import (
+    DATA_DIR,
+    DEVICE,
+    assert_bf16_error_within_twice_plain,
+    load_both,
+    minilm_path,
+    needs_data,
+    one_minus_cosine,
+)
 from transformers import AutoConfig
 
 from st_fastbackend import SentenceTransformer
@@ -13,22 +21,6 @@ from st_fastbackend.engine.runtime import resolve_dtype
 
 def bf16_products_allowed_here() -> bool:
     return torch.bfloat16 in onednn_dtypes()
-
-
-def one_minus_cosine(a, b) -> np.ndarray:
-    a, b = as_numpy(a), as_numpy(b)
-    return 1 - (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
-
-
-def assert_bf16_error_within_twice_plain(folder, texts):
-    plain32, fast32 = load_both(folder)
-    plain16, fast16 = load_both(folder, model_kwargs={"dtype": torch.bfloat16})
-    reference = plain32.encode(texts)
-    ours = one_minus_cosine(fast16.encode(texts).astype(np.float32), reference)
-    theirs = one_minus_cosine(plain16.encode(texts).astype(np.float32), reference)
-    assert ours.max() <= 2 * theirs.max()
-    assert ours.mean() <= 2 * theirs.mean()
-    assert np.abs(fast32.encode(texts) - reference).max() <= 1e-5  # the same folder is exact at fp32
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen3", "bert", "distilbert"])

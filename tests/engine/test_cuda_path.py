@@ -8,8 +8,7 @@ import kernel_standins
 import numpy as np
 import pytest
 import torch
-from helpers import DEVICE, TOLERANCE, load_both, max_diff
-from test_bf16 import one_minus_cosine
+from helpers import DEVICE, TOLERANCE, load_both, max_diff, one_minus_cosine
 from transfers import HostToDevice
 
 from st_fastbackend.engine.attention import sdpa_attention

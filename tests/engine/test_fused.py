@@ -8,8 +8,7 @@ import logging
 
 import pytest
 import torch
-from helpers import DEVICE, TOLERANCE, load_both, max_diff
-from test_bf16 import assert_bf16_error_within_twice_plain
+from helpers import DEVICE, TOLERANCE, assert_bf16_error_within_twice_plain, load_both, max_diff
 from transformers.activations import ACT2FN
 
 from st_fastbackend import SentenceTransformer

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 import torch
 from builders import add_e5_tokenizer_contradiction, build_st_model
-from helpers import DEVICE, TOLERANCE, load_both, max_diff
-from test_bf16 import one_minus_cosine
+from helpers import DEVICE, TOLERANCE, load_both, max_diff, one_minus_cosine
 
 from st_fastbackend import SentenceTransformer
 from st_fastbackend.embedder import Embedder

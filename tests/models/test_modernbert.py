@@ -6,8 +6,7 @@ import os
 import numpy as np
 import pytest
 from builders import build_st_model
-from helpers import TOLERANCE, load_both, max_diff
-from test_bf16 import assert_bf16_error_within_twice_plain
+from helpers import TOLERANCE, assert_bf16_error_within_twice_plain, load_both, max_diff
 from test_gemma3 import longest
 
 WINDOW = 9  # the small model's local_attention=16: |i - j| <= 8
