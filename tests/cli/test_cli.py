@@ -33,6 +33,7 @@ def test_encode_command_with_bf16_products(st_model, texts, tmp_path):
     assert got.dtype == np.float32 and 1e-6 < np.abs(got - exact).max() < 1e-2
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not quantize.int8_supported(), reason="int8 products need AVX512-VNNI and oneDNN")
 def test_quantize_int8_from_the_command_line(st_model, texts, tmp_path, capsys):
     """--quantize int8 gives model_kwargs={"quantize": "int8"}'s embeddings; a corpus folder written with it

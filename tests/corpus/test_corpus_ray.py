@@ -310,6 +310,7 @@ def test_a_cuda_device_gets_a_gpu_per_actor(folder, tmp_path, capsys):
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("part-*"))
 
 
+@pytest.mark.slow
 def test_a_share_of_a_gpu_sizes_the_token_budget_on_that_share(monkeypatch):
     """Two actors of gpus_per_worker=0.5 see the same free memory: each sizes its budget on its half of the GPU,
     less what it holds already; a whole GPU (or none) keeps the model's own budget. CUDA's memory readings are

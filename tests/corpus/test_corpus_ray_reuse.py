@@ -11,6 +11,7 @@ ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 
+@pytest.mark.slow
 def test_ray_reuses_an_edited_input_and_is_reused(folder, texts, tmp_path, capsys):
     before, after, counts = edited(texts)
     write_parquet(tmp_path / "before.parquet", *map(list, zip(*before, strict=True)))

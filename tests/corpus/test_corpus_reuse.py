@@ -185,6 +185,7 @@ def test_another_identity_or_a_corrupt_output_is_refused_by_name(folder, texts, 
         assert "was embedded with another model" in refused(capsys, *job, "--reuse", tmp_path / "half", "--ray")
 
 
+@pytest.mark.slow
 def test_a_reusing_run_killed_midway_resumes(folder, texts, tmp_path):
     """240 rows in shards of 3, the first 120 in the earlier output: killed once a shard exists, the rerun (with
     --reuse again) completes it, every row once, the earlier rows bit for bit, the counts of both runs summed."""

@@ -28,6 +28,7 @@ def test_bf16_error_bound_on_random_models(st_model, texts, family):
     assert_bf16_error_within_twice_plain(st_model(family, pooling_mode="mean"), [t for t in texts if t])
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 @needs_data
 def test_bf16_error_bound_on_minilm_real_sentences():
@@ -90,6 +91,7 @@ def test_bf16_products_in_an_fp32_model(st_model, texts, family, restore_matmul_
     assert_bf16_products_closer_than_bf16(st_model(family, pooling_mode="mean"), [t for t in texts if t])
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 @needs_data
 @pytest.mark.skipif(not bf16_products_allowed_here(), reason="oneDNN runs bf16 natively on x86-64 with AVX-512 only")

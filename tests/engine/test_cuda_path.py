@@ -54,6 +54,7 @@ def plain_embeddings(st_model, case_texts):
 RELEASES = [(name, False) for name in kernel_standins.STANDINS] + [("torch 2.14", True), ("flash-attn 2.8", True)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, compiled", RELEASES, ids=lambda x: {True: "compiled", False: "eager"}.get(x, x))
 @pytest.mark.parametrize("case", CASES)
 def test_bf16_encode_through_each_kernel_release(standin, plain_embeddings, case_texts, name, compiled, case):
@@ -73,6 +74,7 @@ def test_bf16_encode_through_each_kernel_release(standin, plain_embeddings, case
     np.testing.assert_allclose(ours[:6], alone, atol=1e-2, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_fp32_never_reaches_a_flash_kernel_and_stays_exact(standin, plain_embeddings, case_texts, case):
     standin("torch 2.11")  # the release on the project's GPU machine
@@ -111,6 +113,7 @@ def test_unattended_counts_reach_the_device_with_the_batch():
     assert keys.shape == (sum(batch.attended),) and longest == 9
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["torch 2.11", "flash-attn 2.8"])
 def test_unattended_query_expansion_through_the_kernels(standin, tmp_path, case_texts, name):
     """ColBERT's attend=False on the kernel path: the attended keys gathered, the kernel given their own cu_seqlens;

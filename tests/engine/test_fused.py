@@ -87,6 +87,7 @@ FAMILIES = {  # family -> the seams its layers go through
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_whole_models_with_compiled_seams_match_plain(st_model, texts, family, compiled_calls):
     plain, fast = load_both(st_model(family, pooling_mode="mean"))
@@ -95,7 +96,6 @@ def test_whole_models_with_compiled_seams_match_plain(st_model, texts, family, c
     assert FAMILIES[family] <= set(compiled_calls)  # the packs of 16 texts ran compiled
 
 
-@pytest.mark.slow
 def test_bf16_error_bound_with_compiled_seams(st_model, texts, compiled_calls):
     assert_bf16_error_within_twice_plain(st_model("qwen3", pooling_mode="mean"), texts)
     assert compiled_calls["residual_rms"] > 0
@@ -167,6 +167,7 @@ def split_rotate_for_counting(qkv, cos, sin, heads, qk_norm):
     return fused.split_rotate(qkv, cos, sin, heads, qk_norm)
 
 
+@pytest.mark.slow
 def test_model_widths_share_one_compiled_variant():
     """Weights arrive as nn.Parameter, whose shapes Dynamo keeps static: without care one compilation per width."""
     from torch._dynamo.testing import CompileCounter

@@ -98,6 +98,7 @@ def test_cpu_without_vnni_is_refused(monkeypatch):
         quantize.check_quantize("int8", torch.device("cpu"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["bert", "distilbert"])
 def test_int8_model_is_close_and_fp32_stays_exact(st_model, family):
     """A random BERT (or DistilBERT): int8 within 1 - cos 2e-2 of plain fp32; an fp32 model beside it exact."""
@@ -113,6 +114,7 @@ def test_int8_model_is_close_and_fp32_stays_exact(st_model, family):
     np.testing.assert_allclose(fast.encode(texts, normalize_embeddings=True), reference, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 @pytest.mark.skipif(not (DATA_DIR / "stsb" / "stsb-test.tsv").is_file(), reason="STS-B test data not in shared/data")
 def test_real_minilm_int8_keeps_stsb_quality():

@@ -53,6 +53,7 @@ def test_encode_respects_the_budget_and_keeps_order(model, texts, monkeypatch, b
         assert list(lengths) == sorted(lengths, reverse=True)  # sorted by token length within a chunk
 
 
+@pytest.mark.slow
 def test_budget_is_a_model_property(model, texts):
     dtype = next(model[0].parameters()).dtype
     assert model.max_tokens_per_batch == schedule.default_max_tokens(model[0].config, dtype, model.device)

@@ -65,7 +65,6 @@ KERNEL_VARIANTS = {
 }
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(DEVICE != "cpu", reason="the stand-ins replace the CUDA kernels on the CPU")
 @pytest.mark.parametrize("name", kernel_standins.STANDINS)
 @pytest.mark.parametrize("variant", KERNEL_VARIANTS)

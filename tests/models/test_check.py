@@ -46,6 +46,7 @@ def test_cross_encoder_check_passes(cross_encoder):
     assert all(case.one_minus_cos is None and case.max_diff <= EXACT for case in report.cases)
 
 
+@pytest.mark.slow
 def test_model_check_returns_the_report(st_model):
     model = SentenceTransformer(str(st_model("mistral", pooling_mode="lasttoken")), backend="fast", device=DEVICE)
     report = model.check()
@@ -107,6 +108,7 @@ def test_check_of_your_texts_from_a_file(st_model, cross_encoder, tmp_path, caps
     assert exited.value.code == 2 and "line 1 of the texts has no tab" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.bfloat16 not in onednn_dtypes() and DEVICE == "cpu", reason="bf16 products need AVX-512")
 def test_bf16_is_within_its_bound_not_exact(st_model, tmp_path, capsys):
     (tmp_path / "texts.txt").write_text("a short text\nanother text, longer than the first one\nthird\n")
@@ -127,6 +129,7 @@ def test_int8_is_within_its_bound(st_model):
     assert np.isfinite([case.measured for case in report.cases]).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["SparseEncoder", "MultiVectorEncoder"])
 def test_check_sparse_and_multi_vector(tmp_path, kind, capsys, monkeypatch):
     """The CLI picks the class from the folder and compares its own outputs: SPLADE's rows, ColBERT's token vectors;

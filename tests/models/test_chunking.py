@@ -32,6 +32,7 @@ def reference_cut(n: int, size: int, overlap: int) -> list[tuple[int, int]]:
     return [(s, min(s + size, n)) for s in starts if s == 0 or s + overlap < n]
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_boundaries_and_spans(minilm):
     _, fast = minilm

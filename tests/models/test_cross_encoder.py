@@ -104,6 +104,7 @@ def test_a_pair_scores_the_same_in_any_pack(built, pairs, case):
     np.testing.assert_allclose(reordered, packed, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["bert (pooler, token types)", "xlm-roberta (bge-reranker)", "qwen2 score"])
 def test_pairs_longer_than_max_length_truncate_longest_first(built, pairs, case):
     long_pairs = [(first * 3, second * 3) for first, second in pairs[:12]]

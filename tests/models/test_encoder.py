@@ -82,6 +82,7 @@ def test_distilbert_variants_match_plain(st_model, texts, variant):
     assert max_diff(plain.encode(texts, batch_size=8), fast.encode(texts, batch_size=8)) <= TOLERANCE
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 @needs_data
 def test_real_minilm_matches_plain_on_real_sentences():

@@ -28,7 +28,6 @@ def embedding_gemma(st_model, pooling_mode="mean", **overrides):
     return st_model("gemma3_text", pooling_mode=pooling_mode, dense=(96, 64), prompts=PROMPTS, **overrides)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("pooling_mode", POOLING_MODES, ids=str)
 def test_embedding_gemma_matches_plain(st_model, texts, pooling_mode):
     plain, fast = load_both(embedding_gemma(st_model, pooling_mode))

@@ -37,6 +37,7 @@ def test_langchain_adapter():
     assert np.abs(np.array(ours.embed_query(QUERY)) - theirs.embed_query(QUERY)).max() <= TOLERANCE
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_llama_index_adapter():
     pytest.importorskip("llama_index.embeddings.huggingface")

@@ -13,7 +13,6 @@ WINDOW = 9  # the small model's local_attention=16: |i - j| <= 8
 POOLING_MODES = ["cls", "mean", "max", "lasttoken", "weightedmean", ("cls", "mean")]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("pooling_mode", POOLING_MODES, ids=str)
 def test_modernbert_matches_plain(st_model, texts, pooling_mode):
     plain, fast = load_both(st_model("modernbert", pooling_mode=pooling_mode))
@@ -22,7 +21,6 @@ def test_modernbert_matches_plain(st_model, texts, pooling_mode):
     assert max_diff(plain.encode(texts, batch_size=8), fast.encode(texts, batch_size=8)) <= TOLERANCE
 
 
-@pytest.mark.slow
 def test_prompt_excluded_and_batch_invariance(st_model, texts):
     folder = st_model("modernbert", pooling_mode="mean", include_prompt=False)
     plain, fast = load_both(folder, prompts={"query": "search_query: "})  # nomic's prompt style
@@ -37,7 +35,6 @@ VARIANTS = {
 }
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_modernbert_variants_match_plain(st_model, texts, variant):
     plain, fast = load_both(st_model("modernbert", pooling_mode="mean", **VARIANTS[variant]))
@@ -50,7 +47,6 @@ def test_masked_lm_checkpoint_loads(tmp_path, texts):
     assert max_diff(plain.encode(texts), fast.encode(texts)) <= TOLERANCE
 
 
-@pytest.mark.slow
 def test_bf16_error_within_twice_plain(st_model, texts):
     assert_bf16_error_within_twice_plain(st_model("modernbert", pooling_mode="mean"), [t for t in texts if t])
 

@@ -85,6 +85,7 @@ def main_score(model, task) -> float:
     return result.task_results[0].get_score()
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 @needs_data
 def test_stsb_and_scifact_main_scores_match_plain():

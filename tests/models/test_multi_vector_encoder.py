@@ -75,7 +75,6 @@ def test_skiplist_and_allowlist_reach_the_device_once(tmp_path, texts):
         assert counted.copies == 2  # the skiplist, the allowlist
 
 
-@pytest.mark.slow
 def test_encode_arguments(tmp_path, texts):
     plain, fast = load_both(build_colbert(tmp_path, "bert"))
     for kwargs in [dict(normalize_embeddings=True), dict(convert_to_numpy=True), dict(task="query"),
@@ -133,7 +132,6 @@ def test_save_loads_in_plain(tmp_path, texts):
     assert_same(plain.encode_query(texts[:6]), fast.encode_query(texts[:6]))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_unattended_query_expansion(tmp_path, texts, family):
     """Classic ColBERT (attend=False): expansion tokens attend to the query, nothing attends to them."""

@@ -19,7 +19,6 @@ POOLING_MODES = [
 ]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("pooling_mode", POOLING_MODES, ids=str)
 def test_every_family_and_pooling_mode_matches_plain(st_model, texts, family, pooling_mode):
@@ -32,7 +31,6 @@ def test_every_family_and_pooling_mode_matches_plain(st_model, texts, family, po
     assert max_diff(plain.encode(texts, batch_size=8), fast.encode(texts, batch_size=8)) <= TOLERANCE
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("family", DECODERS)
 @pytest.mark.parametrize("pooling_mode", ["mean", "lasttoken", "cls", "weightedmean", "max"])
 def test_pooling_without_prompt_tokens(st_model, texts, family, pooling_mode):
@@ -60,7 +58,6 @@ VARIANTS = {
 }  # fmt: skip
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_config_variants_match_plain(st_model, texts, variant):
     family, overrides = VARIANTS[variant]

@@ -11,6 +11,7 @@ quality = sys.modules["quality"] = importlib.util.module_from_spec(spec)  # data
 spec.loader.exec_module(quality)
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 @needs_data
 def test_stsb_dev_spearman_is_the_same_for_both_backends():

@@ -39,14 +39,12 @@ def splade_folder(tmp_path_factory):
     return lambda family, **kw: build_splade(tmp_path_factory.mktemp(f"splade-{family}"), family, **kw)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_splade_matches_plain(splade_folder, texts, family):
     plain, fast = load_both(splade_folder(family))
     assert_same(plain.encode(texts[:24], convert_to_tensor=True), fast.encode(texts[:24], convert_to_tensor=True))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("strategy", "activation"), [("sum", "relu"), ("max", "log1p_relu"), ("sum", "log1p_relu")])
 def test_splade_pooling_modes(splade_folder, texts, strategy, activation):
     plain, fast = load_both(splade_folder("bert", pooling_strategy=strategy, activation_function=activation))
@@ -66,7 +64,6 @@ def test_vocabulary_projection_runs_in_slices(splade_folder, texts, monkeypatch)
     assert max(rows) == 7 and len(rows) > 24
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("strategy", "activation"), [("max", "relu"), ("sum", "log1p_relu")])
 def test_one_scatter_per_slice_gives_the_per_text_rows(splade_folder, texts, monkeypatch, strategy, activation):
     """The GPU's reduction (one scatter per slice) forced on the CPU, in slices of 7 tokens that cut sequences: the
@@ -123,7 +120,6 @@ def test_batch_invariance(splade_folder, texts):
     assert max_diff(together, alone) <= TOLERANCE
 
 
-@pytest.mark.slow
 def test_encode_arguments(splade_folder, texts):
     """max_active_dims, convert_to_sparse_tensor, convert_to_tensor, save_to_cpu, prompts, encode_query/document."""
     plain, fast = load_both(splade_folder("bert", prompts={"query": "query: ", "document": "passage: "}))
@@ -158,7 +154,6 @@ def test_inference_free_splade(splade_folder, texts):
             encode(texts[:2], processing_kwargs={"text": {"max_length": 4}})
 
 
-@pytest.mark.slow
 def test_csr(tmp_path, texts):
     plain, fast = load_both(build_csr(tmp_path, "bert"))
     for kwargs in [{}, dict(max_active_dims=4)]:
@@ -166,7 +161,6 @@ def test_csr(tmp_path, texts):
         assert_same(expected, found)
 
 
-@pytest.mark.slow
 def test_save_loads_in_plain(splade_folder, tmp_path, texts):
     """Saved under sentence-transformers' module types (a Router's too): plain loads what the fast backend saved."""
     for router in (False, True):

@@ -83,6 +83,7 @@ def test_cli_serves_a_sparse_folder(splade_folder):
         process.wait(timeout=60)
 
 
+@pytest.mark.slow
 def test_served_as_encode_document(tmp_path):
     """A SparseEncoder's max_active_dims and a MultiVectorEncoder's document_length and document prompt hold on
     the server, as encode_document gives them."""

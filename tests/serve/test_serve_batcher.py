@@ -136,6 +136,7 @@ def long_text(words: int, seed: int = 0) -> str:
     return " ".join(rng.choices(WORDS, k=words))
 
 
+@pytest.mark.slow
 def test_long_texts_hold_up_no_one_and_embed_as_encode_does(server, model):
     """1.5 million characters cut at 256 tokens: only the start is tokenized, with the same result."""
     long = [long_text(250_000, seed) for seed in range(4)]

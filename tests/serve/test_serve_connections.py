@@ -68,6 +68,7 @@ def test_too_many_header_fields(served):
         assert read_status(sock) == 200
 
 
+@pytest.mark.slow
 def test_headers_sent_slowly_get_408_however_often_a_byte_comes(served):
     _, url, _ = served
     with open_socket(url) as sock:
@@ -84,6 +85,7 @@ def test_headers_sent_slowly_get_408_however_often_a_byte_comes(served):
     assert time.perf_counter() - start < 2.5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("before", ["nothing", "crlf", "a response"])
 def test_a_connection_waiting_for_its_request_is_closed_after_the_keep_alive_timeout(served, before):
     _, url, _ = served

@@ -60,6 +60,7 @@ def built(tmp_path_factory):
     return build
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", FAMILIES)
 def test_pairs_read_as_far_as_the_cut_needs_are_encode_pairs(built, case):
     """Every length against every length: short, at the budget, over it, over the characters the server reads (1,600
@@ -186,6 +187,7 @@ def test_long_documents_hold_up_no_one(wordpiece_server):
     np.testing.assert_allclose([scores[i] for i in range(8)], expected, atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_the_trials_256_documents_are_refused_by_the_default_bound_at_once(wordpiece_server):
     """The trial's case 2 itself: 256 documents of 7,500 characters are 131,072 tokens of pairs cut to 512, over
@@ -207,6 +209,7 @@ def test_the_trials_256_documents_are_refused_by_the_default_bound_at_once(wordp
     assert rss_grown(process.pid, before) < 50 * 2**20
 
 
+@pytest.mark.slow
 def test_a_tokenizers_release_that_cuts_pairs_otherwise_is_refused_and_embedder_is_not_a_reranker(built, monkeypatch):
     """The server cuts pairs as tokenizers >= 0.23.3 does; an older release (installed without the serve extra) is
     named at start, not left to give other scores than predict(). A cross-encoder is the Reranker's, not Embedder's."""
