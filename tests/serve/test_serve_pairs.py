@@ -141,6 +141,23 @@ def one_pair(url: str) -> httpx.Response:
     return rerank(url, {"query": "a short query", "documents": ["one short document"]})
 
 
+QUERY = "what is it about"
+
+
+def rerank_probed(process, url: str, documents: list[str]) -> tuple[httpx.Response, float]:
+    """`documents` reranked against QUERY (returned too) while one-pair probes run: the response and its seconds,
+    once the probe is held as fast as alone and the server's memory back within 50 MiB. The worker hands freed memory
+    back when a burst ends: what a large request and its answer held is freed after it, and handed back when the
+    next request's burst ends (one more pair)."""
+    body = {"query": QUERY, "documents": documents, "return_documents": True}
+    before = rss_bytes(process.pid)
+    response, seconds, alone, during = probed(lambda: rerank(url, body), lambda: one_pair(url))
+    assert_fair(alone, during)
+    one_pair(url)
+    assert rss_grown(process.pid, before) < 50 * 2**20
+    return response, seconds
+
+
 @pytest.mark.slow
 @pytest.mark.real_model
 def test_a_query_of_two_million_characters_holds_up_no_one(wordpiece_server):
@@ -171,19 +188,10 @@ def test_long_documents_hold_up_no_one(wordpiece_server):
     folder, process, url = wordpiece_server
     rng = random.Random(7)
     documents = [(words(rng, 47_000) + f" {i}")[:256_000] for i in range(30)]
-    body = {"query": "what is it about", "documents": documents, "return_documents": True}
-    before = rss_bytes(process.pid)
-    response, seconds, alone, during = probed(lambda: rerank(url, body), lambda: one_pair(url))
+    response, seconds = rerank_probed(process, url, documents)
     assert response.status_code == 200 and seconds < 15.0, seconds
-    assert_fair(alone, during)
-    # The worker hands freed memory back when a burst ends; what the 7.7 MB request and answer held is freed after
-    # it, and handed back when the next request's burst ends
-    one_pair(url)
-    assert rss_grown(process.pid, before) < 50 * 2**20
     scores = {result["index"]: result["relevance_score"] for result in response.json()["results"]}
-    expected = CrossEncoder(str(folder), backend="fast", device="cpu").predict(
-        [(body["query"], d) for d in documents[:8]]
-    )
+    expected = CrossEncoder(str(folder), backend="fast", device="cpu").predict([(QUERY, d) for d in documents[:8]])
     np.testing.assert_allclose([scores[i] for i in range(8)], expected, atol=1e-6, rtol=0)
 
 
@@ -196,17 +204,12 @@ def test_the_trials_256_documents_are_refused_by_the_default_bound_at_once(wordp
     folder, process, url = wordpiece_server
     rng = random.Random(11)
     documents = [(words(rng, 1_500) + f" {i}")[:7_500] for i in range(256)]
-    body = {"query": "what is it about", "documents": documents, "return_documents": True}
-    before = rss_bytes(process.pid)
-    response, seconds, alone, during = probed(lambda: rerank(url, body), lambda: one_pair(url))
+    response, seconds = rerank_probed(process, url, documents)
     if DEVICE != "cpu":
         assert response.status_code == 200 and len(response.json()["results"]) == 256
         return
     assert response.status_code == 413 and seconds < 5.0, (response.text, seconds)
     assert "131,072 tokens of pairs in one request; the limit is 16,384 (--max-request-tokens)" in response.text
-    assert_fair(alone, during)
-    one_pair(url)
-    assert rss_grown(process.pid, before) < 50 * 2**20
 
 
 @pytest.mark.slow
