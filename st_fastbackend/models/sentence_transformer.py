@@ -88,17 +88,12 @@ class SentenceTransformer(FastModel, sentence_transformers.SentenceTransformer):
         and token spans. The chunks of all texts run through the one packing schedule."""
         if self.backend != "fast":
             raise UnsupportedModelError('encode_chunks() (it needs backend="fast")')
-        chunking = chunking or Chunking(aggregate=None)
-        device, max_tokens = self._inference_start(inputs, device, max_tokens_per_batch)
-        run = {"device": device, "batch_size": batch_size, "show_progress_bar": show_progress_bar,
-               "max_tokens": max_tokens}  # fmt: skip
         truncate_dim = truncate_dim if truncate_dim is not None else self.truncate_dim
-        rows = _chunk_rows(truncate_dim, normalize_embeddings)
         prompt = self._resolve_prompt(prompt, prompt_name)
-        with torch.inference_mode():
-            found = chunk_vectors(self, inputs, chunking, prompt, rows, to_cpu=not convert_to_tensor, **run)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        found, _ = self._chunked(inputs, chunking or Chunking(aggregate=None), prompt, truncate_dim,
+                                 normalize_embeddings, not convert_to_tensor, device=device,
+                                 max_tokens_per_batch=max_tokens_per_batch, batch_size=batch_size,
+                                 show_progress_bar=show_progress_bar)  # fmt: skip
         as_output = (lambda t: t) if convert_to_tensor else _tensor_to_numpy
         return [Chunks(as_output(vectors), chars, spans) for vectors, spans, chars in found]
 
@@ -110,21 +105,31 @@ class SentenceTransformer(FastModel, sentence_transformers.SentenceTransformer):
     ) -> Tensor:  # fmt: skip
         """encode(chunking=...): one vector per text, its chunks' aggregate."""
         self.refuse_processing_kwargs(kwargs.pop("processing_kwargs", None))
-        device, max_tokens = self._inference_start(inputs, device, max_tokens_per_batch)
-        run = {"device": device, "batch_size": batch_size, "max_tokens": max_tokens,
-               "show_progress_bar": show_progress_bar, **kwargs}  # fmt: skip
         if chunking.aggregate is None:
             raise ValueError("encode(chunking=Chunking(aggregate=None)) gives several vectors per text: call "
                              "encode_chunks(), or give Chunking.aggregate ('mean', 'max' or 'first').")  # fmt: skip
         if output_value != "sentence_embedding":
             raise ValueError(f"encode(chunking=...) gives sentence embeddings; output_value={output_value!r} with it.")
-        pack_rows = _chunk_rows(truncate_dim, normalize_embeddings)
-        found = chunk_vectors(self, inputs, chunking, prompt, pack_rows, save_to_cpu, **run)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        found, device = self._chunked(inputs, chunking, prompt, truncate_dim, normalize_embeddings, save_to_cpu,
+                                      device=device, max_tokens_per_batch=max_tokens_per_batch, batch_size=batch_size,
+                                      show_progress_bar=show_progress_bar, **kwargs)  # fmt: skip
         normalizes = pipeline_normalizes(self, normalize_embeddings)
         vectors = [aggregate(rows, spans, chunking.aggregate, normalizes) for rows, spans, _ in found]
         return torch.stack(vectors) if vectors else torch.tensor([], device=device)
+
+    @torch.inference_mode()
+    def _chunked(
+        self, inputs: list, chunking: Chunking, prompt: str | None, truncate_dim: int | None, normalize: bool,
+        to_cpu: bool, *, device, max_tokens_per_batch: int | None, **run,
+    ) -> tuple[list, torch.device]:  # fmt: skip
+        """Per text its chunks' rows, token spans and character spans (models/chunked.py chunk_vectors), complete
+        also on a GPU; and the device they ran on. Started as every packed call starts (_inference_start)."""
+        device, max_tokens = self._inference_start(inputs, device, max_tokens_per_batch)
+        rows, run = _chunk_rows(truncate_dim, normalize), {**run, "device": device, "max_tokens": max_tokens}
+        found = chunk_vectors(self, inputs, chunking, prompt, rows, to_cpu, **run)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return found, device
 
     def get_model_kwargs(self) -> list[str]:
         return [*super().get_model_kwargs(), *(["chunking"] if self.backend == "fast" else [])]
