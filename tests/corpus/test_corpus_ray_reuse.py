@@ -4,7 +4,7 @@ clean local run, the reused rows bit for bit; a Ray output is reused by a local 
 
 import numpy as np
 import pytest
-from corpus_files import embed_corpus, manifest, write_parquet
+from corpus_files import embed_corpus, manifest
 from test_corpus_reuse import assert_equal_rows, edited, output, rows_of
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
@@ -13,9 +13,7 @@ pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 @pytest.mark.slow
 def test_ray_reuses_an_edited_input_and_is_reused(folder, texts, tmp_path, capsys):
-    before, after, counts = edited(texts)
-    write_parquet(tmp_path / "before.parquet", *map(list, zip(*before, strict=True)))
-    write_parquet(tmp_path / "after.parquet", *map(list, zip(*after, strict=True)))
+    after, counts = edited(texts, tmp_path)
     common = ("--model", folder, "--shard-rows", 7)
     embed_corpus(tmp_path / "before.parquet", tmp_path / "previous", *common)
     capsys.readouterr()

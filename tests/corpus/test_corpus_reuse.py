@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -120,9 +121,10 @@ def test_the_key_changes_with_every_option_that_changes_numbers(folder, texts, t
     assert not set(keys["output_dtype"]) & set(keys["plain"])
 
 
-def edited(texts: list[str]) -> tuple[list, list, dict]:
-    """The first input (doc-0..29) and an edit of it: 3 rows removed, 3 changed, 4 added, 2 rows repeating another
-    row's text (an old one and a new one), all reordered. Its counts of texts reused, deduplicated, embedded."""
+def edited(texts: list[str], folder: Path) -> tuple[list, dict]:
+    """The first input (doc-0..29) and an edit of it, written as folder/before.parquet and after.parquet: 3 rows
+    removed, 3 changed, 4 added, 2 rows repeating another row's text (an old one and a new one), all reordered. The
+    edit's rows, and its counts of texts reused, deduplicated, embedded."""
     before = {f"doc-{i}": texts[i] for i in range(30)}
     after = {key: text for key, text in before.items() if key not in ("doc-0", "doc-1", "doc-2")}
     after |= {f"doc-{i}": texts[i] + " edited" for i in (3, 4, 5)}
@@ -130,16 +132,16 @@ def edited(texts: list[str]) -> tuple[list, list, dict]:
     after |= {"dup-old": texts[10], "dup-new": texts[30]}
     order = sorted(after)
     random.Random(0).shuffle(order)
-    return list(before.items()), [(key, after[key]) for key in order], {"reused": 25, "deduplicated": 1,
-                                                                         "embedded": 7}  # fmt: skip
+    rows = [(key, after[key]) for key in order]
+    for name, written in (("before", list(before.items())), ("after", rows)):
+        write_parquet(folder / f"{name}.parquet", *map(list, zip(*written, strict=True)))
+    return rows, {"reused": 25, "deduplicated": 1, "embedded": 7}
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_reuse_of_an_edited_input_equals_a_clean_full_run(models, texts, tmp_path, capsys, kind):
     model, options = KINDS[kind]
-    before, after, counts = edited(texts)
-    write_parquet(tmp_path / "before.parquet", *map(list, zip(*before, strict=True)))
-    write_parquet(tmp_path / "after.parquet", *map(list, zip(*after, strict=True)))
+    after, counts = edited(texts, tmp_path)
     common = ("--model", models[model], "--shard-rows", 7, *options)
     embed_corpus(tmp_path / "before.parquet", tmp_path / "previous", *common)
     previous = {path.name: path.stat().st_mtime_ns for path in (tmp_path / "previous").iterdir()}
