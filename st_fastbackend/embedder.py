@@ -91,7 +91,7 @@ class Embedder:
 
     def schedule(self, prompt: str | None, max_texts: int, max_tokens: int) -> Schedule:
         """The packing schedule (engine/schedule.py) for sequences tokenized with `prompt`."""
-        return Schedule(self._model, prompt, self.device, max_texts, max_tokens)
+        return Schedule(self._model, prompt, self.device, max_texts, max_tokens, self.forward_kwargs)
 
     def rows(self, output: str, out: dict) -> list:
         """A pack's rows for `output`, one per sequence, on the host, as the model's class declares them."""

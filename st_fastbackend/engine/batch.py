@@ -1,8 +1,8 @@
 """PackedBatch: a batch of token sequences concatenated without padding.
 
-This object is the whole contract between batching and the model (as `Batch` is in
-text-embeddings-inference). `cu_seqlens` is the source of truth; positions and sequence indices
-are derived from it.
+Between the schedule and the model the contract is typed, as text-embeddings-inference's `Batch` is: the schedule
+hands over `Tokens` records (a sequence's ids and what a pack needs of it besides them), the model packs them into
+one `PackedBatch`. `cu_seqlens` is the source of truth; positions and sequence indices are derived from it.
 """
 
 from __future__ import annotations
@@ -14,6 +14,31 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """One sequence (a text, or a pair) as tokenized for the model."""
+
+    ids: list[int]
+    token_types: list[int] | None = None  # a pair's segment ids (the second text is segment 1 in BERT); None: 0s
+    # How many of its first tokens the others attend to (ColBERT's query expansion with attend=False:
+    # engine/attention.py); None: every token.
+    attended: int | None = None
+
+    @classmethod
+    def of(cls, sequence: Tokens | Sequence[int]) -> Tokens:
+        """A record for token ids (a record stays as it is)."""
+        return sequence if isinstance(sequence, Tokens) else cls(list(sequence))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def after(self, count: int) -> Tokens:
+        """The sequence without its first `count` tokens (those of a prefix computed once: engine/prefix.py)."""
+        types = None if self.token_types is None else self.token_types[count:]
+        attended = None if self.attended is None else self.attended - count
+        return Tokens(self.ids[count:], types, attended)
 
 
 @dataclass(frozen=True)
@@ -48,6 +73,16 @@ class PackedBatch:
         if token_types is not None:
             types = torch.tensor(list(itertools.chain.from_iterable(token_types)), dtype=torch.long)
         return cls(input_ids, position_ids, cu_seqlens, max(lengths), lengths, types)
+
+    @classmethod
+    def from_tokens(cls, sequences: Sequence[Tokens], position_offset: int = 0) -> PackedBatch:
+        """Pack `Tokens` records: their ids, their token types where they have them, their attended counts where
+        any has one."""
+        types = [s.token_types for s in sequences] if sequences and sequences[0].token_types is not None else None
+        batch = cls.from_sequences([s.ids for s in sequences], position_offset, types)
+        if any(s.attended is not None for s in sequences):
+            batch = batch.with_attended([len(s) if s.attended is None else s.attended for s in sequences])
+        return batch
 
     @property
     def num_tokens(self) -> int:

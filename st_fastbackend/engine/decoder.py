@@ -6,6 +6,9 @@ cache, no LM head, no padding.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import replace
+
 import torch
 from torch import Tensor, nn
 
@@ -120,9 +123,24 @@ class Decoder(nn.Module):
         self.rotary = nn.ModuleDict({key: Rotary(*table) for key, table in spec.rotaries.items()})
 
     def forward(self, batch: PackedBatch, runtime: Runtime, prefix: Prefix | None = None) -> Tensor:
-        """Token ids [T] -> final hidden states [T, hidden]. With `prefix`: the prompt's own pass while its
-        states are not yet there (every layer keeps its keys and values), else the texts after it."""
-        before = prefix.length if prefix is not None and prefix.states is not None else 0
+        """Token ids [T] -> final hidden states [T, hidden]. With a computed `prefix` (prefix_pass): the texts after
+        it, at positions after it, attending to its keys too."""
+        if prefix is None:
+            return self._layers(batch, runtime, [None] * len(self.layers), before=0)
+        if not prefix.computed:
+            raise ValueError("A prefix must be computed (prefix_pass) before the texts after it run.")
+        return self._layers(batch, runtime, prefix.layers, before=prefix.length)
+
+    def prefix_pass(self, prefix: Prefix, batch: PackedBatch, runtime: Runtime) -> Prefix:
+        """The prefix's own pass (`batch`: its tokens alone): the computed Prefix, each layer's keys and values and
+        the final states kept for every text after it."""
+        layers = tuple(LayerKV() for _ in self.layers)
+        states = self._layers(batch, runtime, layers, before=0)  # [P, hidden]
+        return replace(prefix, layers=layers, states=states)
+
+    def _layers(self, batch: PackedBatch, runtime: Runtime, kvs: Sequence[LayerKV | None], before: int) -> Tensor:
+        """`kvs`: per layer, None, or the prefix's keys and values (filled by this pass if empty, else read);
+        `before`: tokens computed before the pack's (a prefix's), for the position limit."""
         limit = self.spec.max_rope_positions
         if limit is not None and before + batch.max_seqlen > limit:
             raise ValueError(
@@ -133,7 +151,6 @@ class Decoder(nn.Module):
         if self.spec.embed_scale is not None:  # Gemma: the factor in the model dtype, as transformers has it
             h = h * torch.tensor(self.spec.embed_scale, dtype=h.dtype)
         tables = {key: rotary(batch.position_ids, h.dtype) for key, rotary in self.rotary.items()}  # [T, D] pairs
-        kvs = prefix.layers if prefix is not None else [None] * len(self.layers)
         next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
         x = seams(runtime.fused).rms_norm(h, *self.layers[0].input_norm.parts)
         for layer, key, kv, next_norm in zip(self.layers, self.spec.layer_rotaries, kvs, next_norms, strict=True):

@@ -11,7 +11,7 @@ last characters with the text's first) runs the ordinary way.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -23,18 +23,26 @@ from st_fastbackend.engine.runtime import Runtime
 
 @dataclass
 class LayerKV:
-    """One layer's keys and values of the prefix, [P, Hkv, D]; None until the prefix pass fills them."""
+    """One layer's keys and values of the prefix, [P, Hkv, D]: filled by the prefix pass (Decoder.prefix_pass, which
+    creates it), read-only afterwards."""
 
     keys: Tensor | None = None
     values: Tensor | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Prefix:
+    """The tokens a schedule's texts share at their start, and once computed (Decoder.prefix_pass returns a new
+    Prefix, before any pack runs) what the packs after it read: never changed by a forward pass."""
+
     ids: tuple[int, ...]  # the tokens computed once: the prompt's, without its last one (see follows)
     prompt_length: int  # the prompt's tokens as sentence-transformers counts them (pooling may exclude them)
-    layers: list[LayerKV] = field(default_factory=list)
+    layers: tuple[LayerKV, ...] = ()  # each layer's keys and values, once computed
     states: Tensor | None = None  # [P, hidden]: the prefix's final hidden states, for pooling that includes them
+
+    @property
+    def computed(self) -> bool:
+        return self.states is not None
 
     @property
     def length(self) -> int:

@@ -4,11 +4,13 @@ out-of-memory back-off; yields (indices into the sequences, the model's outputs 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
 
 import torch
 
-from st_fastbackend.engine.batch import plan_batches
+from st_fastbackend.engine.batch import Tokens, plan_batches
 from st_fastbackend.engine.prefix import Prefix
 from st_fastbackend.engine.spec import mlp_width
 
@@ -21,35 +23,49 @@ MIN_GPU_TOKENS = 8192
 class Schedule:
     """Runs token sequences through `model.forward_sequences` in packs. A pack that runs out of device
     memory is split in two and the halves retried, first half first, so no text is lost or reordered; the
-    budget learned (half the failed pack's tokens) holds for every later pack of this schedule."""
+    budget learned (half the failed pack's tokens) holds for every later pack of this schedule.
 
-    def __init__(self, model, prompt: str | None, device: torch.device, max_texts: int, max_tokens: int) -> None:
+    Everything a pack is run with besides its sequences is decided here, once: the prompt, the prefix computed once
+    (`prefix`: a causal decoder's prompt, or what a chunk of pairs shares) and what the modules take besides the
+    features (`module_kwargs`: a task, a SparseEncoder's max_active_dims)."""
+
+    def __init__(self, model, prompt: str | None, device: torch.device, max_texts: int, max_tokens: int,
+                 module_kwargs: Mapping[str, Any] | None = None) -> None:  # fmt: skip
         self.model, self.prompt, self.device = model, prompt, device
         self.max_texts, self.max_tokens = max_texts, max_tokens
-        self.prefix = model.prompt_prefix(prompt)  # computed at its first use, then shared by every pack
+        self.module_kwargs = MappingProxyType(dict(module_kwargs or {}))
+        self.prefix = model.prompt_prefix(prompt)  # computed before the first pack that follows it
+        self._computed: tuple[Any, Any] = (None, None)  # (a prefix, its computed form)
 
-    def run(self, sequences: list[list[int]], **kwargs) -> Iterator[tuple[list[int], dict]]:
+    def run(self, sequences: Sequence[Tokens | Sequence[int]]) -> Iterator[tuple[list[int], dict]]:
         """Longest first (equal lengths side by side, which the CPU attention runs as one call). A change of
         PyTorch's setting for fp32 products is followed from here on (one read per run: a chunk of an encode()
-        call, a server batch), as plain sentence-transformers follows it."""
+        call, a server batch), as plain sentence-transformers follows it. `sequences`: token ids, or Tokens
+        records (a pair's token types, a query's attended count) as they reach the model."""
         self.model.packed_input.refresh_runtime()
-        for prefix, own in self._groups(sequences):
+        for prefix, own in self._groups([Tokens.of(s) for s in sequences]):
             order = sorted(own, key=lambda i: -len(own[i]))
             for pack in plan_batches([len(own[i]) for i in order], self.max_texts, self.max_tokens):
-                yield from self._run_pack(own, [order[j] for j in pack], prefix, **kwargs)
+                yield from self._run_pack(own, [order[j] for j in pack], prefix)
 
-    def _groups(self, sequences: list[list[int]]) -> list[tuple[Prefix | None, dict[int, list[int]]]]:
-        """(None, the texts to run whole); with a prompt computed once, also (the prompt, the texts that
+    def _groups(self, sequences: list[Tokens]) -> list[tuple[Prefix | None, dict[int, Tokens]]]:
+        """(None, the texts to run whole); with a prompt computed once, also (the prompt computed, the texts that
         begin with exactly its tokens, without them)."""
         if self.prefix is None:
             return [(None, dict(enumerate(sequences)))]
-        follows = [self.prefix.follows(ids) for ids in sequences]
-        whole = {i: ids for i, ids in enumerate(sequences) if not follows[i]}
-        after = {i: ids[self.prefix.length :] for i, ids in enumerate(sequences) if follows[i]}
-        return [(None, whole), (self.prefix, after)]
+        follows = [self.prefix.follows(tokens.ids) for tokens in sequences]
+        whole = {i: tokens for i, tokens in enumerate(sequences) if not follows[i]}
+        after = {i: tokens.after(self.prefix.length) for i, tokens in enumerate(sequences) if follows[i]}
+        return [(None, whole)] + ([(self._computed_prefix(), after)] if after else [])
+
+    def _computed_prefix(self) -> Prefix:
+        """The prefix's own pass, once for each prefix the schedule is given."""
+        if self._computed[0] is not self.prefix:
+            self._computed = (self.prefix, self.model.packed_input.computed_prefix(self.prefix, self.device))
+        return self._computed[1]
 
     def _run_pack(
-        self, sequences: dict[int, list[int]], pack: list[int], prefix: Prefix | None, **kwargs
+        self, sequences: dict[int, Tokens], pack: list[int], prefix: Prefix | None
     ) -> Iterator[tuple[list[int], dict]]:
         packs = [pack]
         while packs:
@@ -59,8 +75,8 @@ class Schedule:
                 packs += _halves(picked)
                 continue
             try:
-                ids = [sequences[i] for i in picked]
-                out = self.model.forward_sequences(ids, self.prompt, self.device, prefix=prefix, **kwargs)
+                out = self.model.forward_sequences([sequences[i] for i in picked], self.prompt, self.device,
+                                                   prefix=prefix, module_kwargs=self.module_kwargs)  # fmt: skip
             except torch.OutOfMemoryError:
                 if len(picked) == 1:
                     raise

@@ -10,7 +10,7 @@ other backend it is exactly the sentence-transformers class.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +23,7 @@ from sentence_transformers.util import get_device_name
 from sentence_transformers.util.misc import import_from_string
 from tqdm.autonotebook import tqdm
 
+from st_fastbackend.engine.batch import Tokens
 from st_fastbackend.engine.prefix import Prefix
 from st_fastbackend.engine.schedule import Schedule, default_max_tokens
 from st_fastbackend.engine.spec import UnsupportedModelError
@@ -32,7 +33,8 @@ from st_fastbackend.modules.files import unreadable_json
 from st_fastbackend.modules.tokenizer import TextTokenizer
 
 TOKENIZE_CHUNK = 4096  # inputs tokenized together (while the previous chunk runs) and sorted by length
-Tokenize = Callable[[list, range], list[list[int]]]  # (the chunk's inputs, their positions) -> token ids
+# (the chunk's inputs, their positions) -> token ids, or Tokens records where a sequence has more (engine/batch.py)
+Tokenize = Callable[[list, range], list]
 SharedPrefix = Callable[[list[list[int]]], Prefix | None]  # a chunk's token ids -> what to compute once for them
 ServedRows = Callable[[Any, dict], list]  # (the model, a pack's outputs) -> one row per text, on the host
 
@@ -166,7 +168,7 @@ class FastModel:
         landing = HostRows(results, copied_from=device if rule.copied_to_host and device.type == "cuda" else None)
         runs = self.packed_runs(inputs, rule.tokenize, prompt=prompt, device=device, batch_size=batch_size,
                                 max_tokens=max_tokens, show_progress_bar=show_progress_bar,
-                                shared_prefix=rule.shared_prefix, **options)  # fmt: skip
+                                shared_prefix=rule.shared_prefix, module_kwargs=options)  # fmt: skip
         for positions, out in runs:
             landing.add(positions, *rule.rows(out))
         landing.finish()
@@ -220,38 +222,39 @@ class FastModel:
 
     def packed_runs(
         self, inputs: list, tokenize: Tokenize, *, prompt: str | None, device: torch.device, batch_size: int,
-        max_tokens: int, show_progress_bar: bool, shared_prefix: SharedPrefix | None = None, **kwargs,
+        max_tokens: int, show_progress_bar: bool, shared_prefix: SharedPrefix | None = None,
+        module_kwargs: Mapping[str, Any] | None = None,
     ) -> Iterator[tuple[list[int], dict]]:  # fmt: skip
         """The one loop of every class: inputs tokenized a chunk at a time in a background thread, sorted by token
         length within the chunk, packed into batches of at most `batch_size` inputs and `max_tokens` tokens (one
         schedule for the call: it keeps a budget learned from running out of memory); yields (the inputs'
         positions in `inputs`, the modules' outputs for them). `shared_prefix`: the tokens a chunk's sequences
         share at their start, to compute once (engine/prefix.py), in place of the prompt's. In inference mode,
-        whoever calls it."""
+        whoever calls it. `module_kwargs`: what the modules take besides the features (a task)."""
         self.eval()
-        schedule = Schedule(self, prompt, device, batch_size, max_tokens)
+        schedule = Schedule(self, prompt, device, batch_size, max_tokens, module_kwargs)
         with torch.inference_mode(), tqdm(total=len(inputs), desc="Texts", disable=not show_progress_bar) as progress:
             for chunk, sequences in _tokenized_chunks(tokenize, inputs):
                 if shared_prefix is not None:
                     schedule.prefix = shared_prefix(sequences)
-                for picked, out in schedule.run(sequences, **kwargs):
+                for picked, out in schedule.run(sequences):
                     yield [chunk[i] for i in picked], out
                     progress.update(len(picked))
 
     def forward_sequences(
         self,
-        sequences: list[list[int]],
+        sequences: Sequence[Tokens],
         prompt: str | None = None,
         device: torch.device | None = None,
         prefix: Prefix | None = None,
-        **kwargs,
+        module_kwargs: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """One packed forward pass over token-id sequences (already tokenized with `prompt`, if any): every
-        module's outputs. With `prefix`, the sequences are what follows that prompt computed once
-        (engine/prefix.py)."""
-        features = self.packed_input.pack(sequences, prompt, prefix)
+        """One packed forward pass over token sequences (already tokenized with `prompt`, if any): every module's
+        outputs. With a computed `prefix`, the sequences are what follows it (engine/prefix.py). `module_kwargs`:
+        what the modules take besides the features, as encode() passes them (a task)."""
+        features = self.packed_input.pack(list(sequences), prompt, prefix)
         features["packed"] = features["packed"].to(device or self.device, non_blocking=True)
-        return self(features, **kwargs)
+        return self(features, **(module_kwargs or {}))
 
     # -- the token budget -----------------------------------------------------------------------
 

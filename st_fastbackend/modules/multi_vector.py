@@ -19,6 +19,7 @@ from sentence_transformers.base.modules import Transformer
 from sentence_transformers.base.modules.transformer import _normalize_query_expansion
 from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask
 
+from st_fastbackend.engine.batch import Tokens
 from st_fastbackend.engine.spec import UnsupportedModelError
 from st_fastbackend.modules.options import module_config
 from st_fastbackend.modules.transformer import PackedTransformer
@@ -60,7 +61,7 @@ class PackedMultiVectorTransformer(PackedTransformer):
         mask = self.tokenizer.mask_token_id
         return mask if mask is not None else self.tokenizer.eos_token_id
 
-    def encode_task(self, texts: list[str], prompt: str | None, task: str | None, first_index: int) -> list[list[int]]:
+    def encode_task(self, texts: list[str], prompt: str | None, task: str | None, first_index: int) -> list[Tokens]:
         """Token ids as sentence-transformers' preprocess makes them for `task`: the task's length, and a query's
         expansion tokens up to the expansion length."""
         self._check_lengths()  # attributes a caller may have set since
@@ -71,8 +72,8 @@ class PackedMultiVectorTransformer(PackedTransformer):
             length = floor if expansion["strategy"] == "fixed" else max(length or self.max_seq_length, floor)
         sequences = self.texts.encode(texts, prompt, length, first_index)
         if expansion is None or self.expansion_id is None:
-            return sequences
-        return [Expanded(ids, self.expansion_id, expansion) for ids in sequences]
+            return [Tokens(ids) for ids in sequences]
+        return [expanded(ids, self.expansion_id, expansion) for ids in sequences]
 
     def _check_lengths(self) -> None:
         """A negative length reaches the Rust tokenizer as an OverflowError naming nothing (plain's too)."""
@@ -81,21 +82,12 @@ class PackedMultiVectorTransformer(PackedTransformer):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive number of tokens or None, got {value!r}.")
 
-    def pack(self, sequences: list[list[int]], prompt: str | None = None, prefix=None) -> dict:
-        features = super().pack(sequences, prompt, prefix)
-        if any(getattr(ids, "attended", None) is not None for ids in sequences):
-            attended = tuple(getattr(ids, "attended", None) or len(ids) for ids in sequences)
-            features["packed"] = features["packed"].with_attended(attended)
-        return features
 
-
-class Expanded(list):
-    """A query's token ids and its expansion tokens up to the expansion length; `attended`: with attend=False, how
-    many of them (the query's own) the others attend to, else None."""
-
-    def __init__(self, ids: list[int], expansion_id: int, expansion: dict) -> None:
-        super().__init__(ids + [expansion_id] * (expansion["length"] - len(ids)))
-        self.attended = None if expansion["attend"] else len(ids)
+def expanded(ids: list[int], expansion_id: int, expansion: dict) -> Tokens:
+    """A query's token ids and its expansion tokens up to the expansion length; with attend=False, only its own
+    tokens are attended to (the expansion tokens attend, unattended)."""
+    attended = None if expansion["attend"] else len(ids)
+    return Tokens(ids + [expansion_id] * (expansion["length"] - len(ids)), attended=attended)
 
 
 class PackedMultiVectorMask(MultiVectorMask):

@@ -20,7 +20,7 @@ from sentence_transformers.base.modules import Transformer
 from sentence_transformers.base.modules.transformer import TRANSFORMER_TASK_DEFAULTS, TRANSFORMER_TASK_TO_AUTO_MODEL
 from sentence_transformers.cross_encoder.modules import LogitScore
 
-from st_fastbackend.engine.batch import PackedBatch
+from st_fastbackend.engine.batch import Tokens
 from st_fastbackend.engine.prefix import Prefix
 from st_fastbackend.engine.spec import UnsupportedModelError
 from st_fastbackend.engine.weights import CheckpointError, checkpoint_files, load_weights
@@ -58,12 +58,6 @@ def longest_first(first: int, second: int, budget: int, first_longer: bool) -> t
         short, long = budget // 2, budget // 2 + budget % 2
     kept = (long, short) if first_longer else (short, long)
     return min(first, kept[0]), min(second, kept[1])
-
-
-class TypedIds(list):
-    """A pair's token ids with its token type ids beside them (the second text is segment 1 in BERT)."""
-
-    token_types: list[int]
 
 
 class PackedScoringTransformer(PackedTransformer):
@@ -125,7 +119,7 @@ class PackedScoringTransformer(PackedTransformer):
         return {**super().get_config_dict(), "transformer_task": self.transformer_task,
                 "module_output_name": TRANSFORMER_TASK_DEFAULTS[self.transformer_task][1]}  # fmt: skip
 
-    def encode_pairs(self, pairs: list, prompt: str | None, first_index: int = 0) -> list[list[int]]:
+    def encode_pairs(self, pairs: list, prompt: str | None, first_index: int = 0) -> list[Tokens]:
         """Token ids of each (first, second) pair as plain sentence-transformers tokenizes a batch of them:
         the prompt before the first text, truncation="longest_first" at the tokenizer's max length."""
         if self.pair_formatter is not None:
@@ -137,10 +131,8 @@ class PackedScoringTransformer(PackedTransformer):
         for index, ids in enumerate(out["input_ids"]):
             if not ids:
                 raise ValueError(f"Input {first_index + index} has no tokens; there is nothing to score.")
-            sequence = TypedIds(ids)
-            if self.token_types and "token_type_ids" in out:
-                sequence.token_types = out["token_type_ids"][index]
-            sequences.append(sequence)
+            types = out["token_type_ids"][index] if self.token_types and "token_type_ids" in out else None
+            sequences.append(Tokens(ids, types))
         return sequences
 
     @property
@@ -148,15 +140,15 @@ class PackedScoringTransformer(PackedTransformer):
         """The texts' own tokens a pair holds at most: max_length less the special tokens the template adds."""
         return self.tokenizer.model_max_length - self.tokenizer.num_special_tokens_to_add(pair=True)
 
-    def join_pair(self, first: list[int], second: list[int]) -> list[int]:
+    def join_pair(self, first: list[int], second: list[int]) -> Tokens:
         """A pair's token ids from its two texts' own ids, already cut (longest_first): what encode_pairs gives for
         them, the template's special tokens placed around them (without a chat template)."""
         template = self._pair_template
-        sequence = TypedIds(template.before + first + template.between + second + template.after)
+        ids, types = template.before + first + template.between + second + template.after, None
         if template.types is not None:
             before, one, between, two, after = template.types
-            sequence.token_types = before + [one] * len(first) + between + [two] * len(second) + after
-        return sequence
+            types = before + [one] * len(first) + between + [two] * len(second) + after
+        return Tokens(ids, types)
 
     @functools.cached_property
     def _pair_template(self) -> PairTemplate:
@@ -181,7 +173,7 @@ class PackedScoringTransformer(PackedTransformer):
         texts = [[prompt + first, second] if prompt else [first, second] for first, second in pairs]
         return [len(ids) for ids in self.tokenizer(texts, truncation=False, verbose=False)["input_ids"]]
 
-    def _rendered_pairs(self, pairs: list, prompt: str | None, first_index: int) -> list[list[int]]:
+    def _rendered_pairs(self, pairs: list, prompt: str | None, first_index: int) -> list[Tokens]:
         """Token ids of each pair through the chat template, as sentence-transformers' preprocess makes them (its
         padded batch, unpadded by its attention mask)."""
         with naming_lone_surrogates(pairs, first_index, prompt):
@@ -191,16 +183,16 @@ class PackedScoringTransformer(PackedTransformer):
         for index, ids in enumerate(sequences):
             if not ids:
                 raise ValueError(f"Input {first_index + index} has no tokens; there is nothing to score.")
-        return sequences
+        return [Tokens(ids) for ids in sequences]
 
-    def shared_prefix(self, sequences: list[list[int]]) -> Prefix | None:
+    def shared_prefix(self, sequences: list[Tokens]) -> Prefix | None:
         """The tokens every pair of a chunk begins with (a chat template's head and instruction; rank()'s query
         too), computed once on a causal-LM reranker: each pair keeps at least one token of its own, which the
         LM-head rows are read at. None where fewer than MIN_SHARED tokens are shared, or for any other model."""
         if self.transformer_task != "text-generation" or not self.reuses_prefix:
             return None
-        first, length = sequences[0], min(len(ids) for ids in sequences) - 1
-        for ids in sequences[1:]:
+        first, length = sequences[0].ids, min(len(pair) for pair in sequences) - 1
+        for ids in (pair.ids for pair in sequences[1:]):
             same = 0
             while same < length and ids[same] == first[same]:
                 same += 1
@@ -208,11 +200,9 @@ class PackedScoringTransformer(PackedTransformer):
                 return None
         return Prefix(tuple(first[:length]), length) if length >= MIN_SHARED else None
 
-    def pack(self, sequences: list[list[int]], prompt: str | None = None, prefix: Prefix | None = None) -> dict:
-        if prefix is not None:  # a causal LM's pairs after their shared tokens (shared_prefix)
-            return super().pack(sequences, None, prefix)
-        types = [s.token_types for s in sequences] if hasattr(sequences[0], "token_types") else None
-        return {"packed": PackedBatch.from_sequences(sequences, self.model.position_offset, types)}
+    def pack(self, sequences: list[Tokens], prompt: str | None = None, prefix: Prefix | None = None) -> dict:
+        """A pair's prompt is one of its texts' start: no prompt length to pool by."""
+        return super().pack(sequences, None, prefix)
 
     def forward(self, features: dict[str, Any], **kwargs) -> dict[str, Any]:
         features = super().forward(features, **kwargs)

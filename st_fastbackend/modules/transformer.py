@@ -19,9 +19,9 @@ from sentence_transformers.base.modules import InputModule, Transformer
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from st_fastbackend.engine import fused, host_memory, onednn, quantize
-from st_fastbackend.engine.batch import PackedBatch
+from st_fastbackend.engine.batch import PackedBatch, Tokens
 from st_fastbackend.engine.layers import Linear
-from st_fastbackend.engine.prefix import LayerKV, Prefix
+from st_fastbackend.engine.prefix import Prefix
 from st_fastbackend.engine.registry import build_engine, family_of
 from st_fastbackend.engine.runtime import Kernel, Runtime, choose_runtime, resolve_dtype
 from st_fastbackend.engine.spec import UnsupportedModelError
@@ -205,13 +205,13 @@ class PackedTransformer(InputModule):
         if processing_kwargs:
             raise UnsupportedModelError("processing_kwargs in encode()")
         check_texts(inputs)
-        return self.pack(self.texts.encode(inputs, prompt), prompt)
+        return self.pack([Tokens(ids) for ids in self.texts.encode(inputs, prompt)], prompt)
 
-    def pack(self, sequences: list[list[int]], prompt: str | None = None, prefix: Prefix | None = None) -> dict:
-        """Token-id sequences tokenized with `prompt` -> features; with `prefix`, the sequences are what
+    def pack(self, sequences: list[Tokens], prompt: str | None = None, prefix: Prefix | None = None) -> dict:
+        """Token sequences tokenized with `prompt` -> features; with a computed `prefix`, the sequences are what
         follows the prompt computed once (their positions start after it)."""
         offset = self.model.position_offset + (prefix.length if prefix is not None else 0)
-        features: dict[str, Any] = {"packed": PackedBatch.from_sequences(sequences, offset)}
+        features: dict[str, Any] = {"packed": PackedBatch.from_tokens(sequences, offset)}
         if prompt:
             features["prompt_length"] = self.texts.prompt_length(prompt)
         if prefix is not None:
@@ -226,20 +226,19 @@ class PackedTransformer(InputModule):
         ids = self.texts.prompt_ids(prompt)
         return Prefix(ids[:-1], len(ids)) if len(ids) > 1 else None
 
+    def computed_prefix(self, prefix: Prefix, device: torch.device) -> Prefix:
+        """The prefix's own pass, once, before the packs after it: a new Prefix holding each layer's keys and values
+        and its final states (engine/prefix.py)."""
+        ids = PackedBatch.from_sequences([prefix.ids], self.model.position_offset).to(device)
+        return self.model.prefix_pass(prefix, ids, _sized(self._runtime, ids))
+
     def forward(self, features: dict[str, Any], **kwargs) -> dict[str, Any]:
-        runtime = self._runtime
-        packed, prefix = features["packed"], features.get("prefix")
+        packed = features["packed"]
         if packed.input_ids.device.type == "cpu":  # freed activations stay in the process for the next pack
             host_memory.keep_freed_memory()
-        if prefix is None:
-            features["token_embeddings"] = self.model(packed, _sized(runtime, packed))  # [T, hidden]
-            return features
-        if prefix.states is None:  # the prompt's own pass, once: each layer keeps its keys and values
-            prefix.layers = [LayerKV() for _ in self.model.layers]
-            ids = PackedBatch.from_sequences([prefix.ids], self.model.position_offset).to(packed.input_ids.device)
-            prefix.states = self.model(ids, _sized(runtime, ids), prefix)  # [P, hidden]
-        # [T, hidden], T without the prompts
-        features["token_embeddings"] = self.model(packed, _sized(runtime, packed), prefix)
+        runtime, prefix = _sized(self._runtime, packed), features.get("prefix")
+        extra = () if prefix is None else (prefix,)  # a causal decoder's prompt computed once
+        features["token_embeddings"] = self.model(packed, runtime, *extra)  # [T, hidden]; T without the prompts
         return features
 
     def _use(self, runtime: Runtime) -> None:

@@ -260,7 +260,7 @@ class Batcher:
         ids = [running.job.token_ids[index] for running, index in items]
         start = time.perf_counter()
         with torch.inference_mode():
-            for picked, out in schedule.run(ids, **self.served.forward_kwargs):
+            for picked, out in schedule.run(ids):
                 asked = {items[k][0].job.output for k in picked}
                 rows = {output: self.served.rows(output, out) for output in asked if output != LATE_CHUNKS}
                 if LATE_CHUNKS in asked:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import tokenizers
 from packaging.version import Version
 
+from st_fastbackend.engine.batch import Tokens
 from st_fastbackend.modules.scoring import PackedScoringTransformer, longest_first
 from st_fastbackend.modules.tokenizer import clip_text
 from st_fastbackend.serve.errors import ApiError
@@ -74,7 +75,7 @@ class PairReader:
         ids = counted[prefix] if prefix in counted else self.texts.own_ids(prefix, self.max_length + 1)
         return Read(text, prefix, ids, exact=len(ids) <= self.max_length)
 
-    def pairs(self, query: Read, documents: list[str], first: int, field: str, truncate: bool) -> list[list[int]]:
+    def pairs(self, query: Read, documents: list[str], first: int, field: str, truncate: bool) -> list[Tokens]:
         """The pairs of the query with documents `first`, `first + 1`, ... (named `field`[i] in errors)."""
         names = [f"{field}[{first + i}]" for i in range(len(documents))]
         read = [self.read(text, name) for text, name in zip(documents, names, strict=True)]
@@ -85,7 +86,7 @@ class PairReader:
             return self.scoring.encode_pairs([(query.text, document.text) for document in read], None, first)
         return [self._joined(query, document, name) for document, name in zip(read, names, strict=True)]
 
-    def _joined(self, query: Read, document: Read, what: str) -> list[int]:
+    def _joined(self, query: Read, document: Read, what: str) -> Tokens:
         a, b, budget = len(query.ids), len(document.ids), self.scoring.pair_budget
         both_long = not (query.exact or document.exact)  # both counts are max_length + 1: which is longer is unknown
         first_longer = self._query_longer(query, document, what) if both_long and budget % 2 else a > b

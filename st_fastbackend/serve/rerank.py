@@ -82,7 +82,7 @@ class Reranker:
         return self.texts.encode(texts, prompt, max_length)
 
     def schedule(self, prompt: str | None, max_texts: int, max_tokens: int) -> Schedule:
-        return Schedule(self._model, prompt, self.device, max_texts, max_tokens)
+        return Schedule(self._model, prompt, self.device, max_texts, max_tokens, self.forward_kwargs)
 
     def rows(self, output: str, out: dict) -> list:
         return self._model.served_rows[output](self._model, out)

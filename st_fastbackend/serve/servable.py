@@ -19,7 +19,6 @@ class Servable(Protocol):
     normalizes: bool  # the model's own vectors are unit length
     device: torch.device
     outputs: tuple[str, ...]  # what its packs give per text (its class's served_rows), the first its main output
-    forward_kwargs: dict  # what its forward passes take besides the pack (FastModel.served_kwargs)
 
     def compiles_seams(self) -> bool: ...
 
@@ -28,7 +27,8 @@ class Servable(Protocol):
     def tokenize(self, texts: list[str], prompt: str | None, max_length: int | None = None) -> list[list[int]]: ...
 
     def schedule(self, prompt: str | None, max_texts: int, max_tokens: int) -> Schedule:
-        """The packing schedule (engine/schedule.py) for sequences tokenized with `prompt`."""
+        """The packing schedule (engine/schedule.py) for sequences tokenized with `prompt`, its forward passes given
+        what the model's class serves them with besides the pack (FastModel.served_kwargs)."""
         ...
 
     def rows(self, output: str, out: dict) -> list:

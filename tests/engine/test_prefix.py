@@ -134,14 +134,8 @@ def test_the_server_worker_computes_a_shared_prompt_once_per_batch(st_model, tex
     embedder = Embedder(model)
     expected = model.encode(texts, prompt=INSTRUCTION, convert_to_tensor=True)
     prompt_passes = []
-    forward = model[0].model.forward
-    monkeypatch.setattr(
-        model[0].model,
-        "forward",
-        lambda batch, runtime, prefix=None: (
-            (prompt_passes.append(1) if prefix and prefix.states is None else None) or forward(batch, runtime, prefix)
-        ),
-    )
+    prefix_pass = model[0].model.prefix_pass
+    monkeypatch.setattr(model[0].model, "prefix_pass", lambda *args: prompt_passes.append(1) or prefix_pass(*args))
     batcher = Batcher(embedder, 100_000, 1000, Metrics())
     jobs = [Job(token_ids=embedder.tokenize([text], INSTRUCTION), prompt=INSTRUCTION) for text in texts]
     futures = [batcher.submit(job) for job in jobs]

@@ -277,14 +277,20 @@ def test_shared_tokens_computed_once(tmp_path, pairs, monkeypatch):
     shared = scoring.PackedScoringTransformer.shared_prefix
     monkeypatch.setattr(scoring.PackedScoringTransformer, "shared_prefix",
                         lambda self, sequences: found.append(shared(self, sequences)) or found[-1])  # fmt: skip
+    computed = []  # the prefixes run (their token ids), once each
+    prefix_pass = fast[0].computed_prefix
+    monkeypatch.setattr(
+        fast[0], "computed_prefix", lambda prefix, device: computed.append(prefix.ids) or prefix_pass(prefix, device)
+    )
     assert max_diff(plain.predict(pairs, activation_fn=IDENTITY), fast.predict(pairs, activation_fn=IDENTITY)) <= 1e-5
     query, documents = pairs[0][0], [document for _, document in pairs]
     expected = plain.rank(query, documents)
     ranked = fast.rank(query, documents)
     assert [r["corpus_id"] for r in ranked] == [r["corpus_id"] for r in expected]
     assert max_diff([r["score"] for r in ranked], [r["score"] for r in expected]) <= 1e-5
-    assert found[0] is not None and found[0].states is not None  # predict: the template's head, run once
+    assert found[0] is not None and computed[0] == found[0].ids  # predict: the template's head, run once
     assert found[1].length > found[0].length  # rank: the query too
+    assert computed == [found[0].ids, found[1].ids]
     fast.prefix_reuse = False
     assert max_diff(fast.predict(pairs, activation_fn=IDENTITY), plain.predict(pairs, activation_fn=IDENTITY)) <= 1e-5
     assert len(found) == 2  # not asked for

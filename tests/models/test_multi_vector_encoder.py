@@ -116,7 +116,9 @@ def test_host_waits_per_pack_do_not_grow_with_the_texts(tmp_path, texts, monkeyp
     served = []
     for n in (4, 32):  # one pack each
         assert len(fast.encode_document(texts[:n], batch_size=64)) == n
-        out = fast.forward_sequences(fast[0].encode_task(texts[:n], None, "document", 0), task="document")
+        out = fast.forward_sequences(
+            fast[0].encode_task(texts[:n], None, "document", 0), module_kwargs={"task": "document"}
+        )
         with HostWaits() as counter:
             assert len(fast.served_rows["token_embeddings"](fast, out)) == n
         served.append(counter.count)

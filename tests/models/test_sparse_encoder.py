@@ -13,7 +13,7 @@ from sentence_transformers import SparseEncoder as PlainSparseEncoder
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from st_fastbackend import SparseEncoder, UnsupportedModelError
-from st_fastbackend.engine.batch import PackedBatch
+from st_fastbackend.engine.batch import PackedBatch, Tokens
 from st_fastbackend.engine.families import FAMILIES as TABLE
 from st_fastbackend.modules import splade
 
@@ -207,7 +207,7 @@ def test_head_products_follow_the_body(splade_folder):
 def test_forward_with_gradients_on(splade_folder, texts):
     """forward_sequences outside inference mode (the head's parameters want gradients): the same rows."""
     fast = SparseEncoder(str(splade_folder("bert")), backend="fast", device=DEVICE)
-    ids = fast.packed_input.texts.encode(texts[2:6])
+    ids = [Tokens(i) for i in fast.packed_input.texts.encode(texts[2:6])]
     with torch.no_grad():
         expected = fast.forward_sequences(ids)["sentence_embedding"]
     assert max_diff(fast.forward_sequences(ids)["sentence_embedding"].detach(), expected) <= TOLERANCE

@@ -13,6 +13,7 @@ from helpers import DEVICE
 from serving import KEY, metric, start_server
 
 from st_fastbackend import SentenceTransformer
+from st_fastbackend.engine.batch import Tokens
 
 openai = pytest.importorskip("openai")
 
@@ -65,7 +66,7 @@ def test_dimensions_and_token_ids_and_prompts(client, model, texts):
     ids = model[0].texts.encode([text, texts[6]])
     response = client.embeddings.create(model="tiny", input=ids)
     with torch.inference_mode():
-        expected = model.forward_sequences(ids)["sentence_embedding"].cpu().numpy()
+        expected = model.forward_sequences([Tokens(i) for i in ids])["sentence_embedding"].cpu().numpy()
     np.testing.assert_allclose(np.array([d.embedding for d in response.data]), expected, atol=1e-5, rtol=0)
     np.testing.assert_allclose(
         client.embeddings.create(model="tiny", input=ids[0]).data[0].embedding, expected[0], atol=1e-5

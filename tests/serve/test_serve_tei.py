@@ -15,6 +15,7 @@ from serving import HEADERS, KEY, app_client, metric, start_server
 import st_fastbackend
 from st_fastbackend import SentenceTransformer
 from st_fastbackend.embedder import Embedder
+from st_fastbackend.engine.batch import Tokens
 from st_fastbackend.serve import tei
 from st_fastbackend.serve.batcher import Batcher, Job
 from st_fastbackend.serve.metrics import Metrics
@@ -52,7 +53,7 @@ def test_embed_equals_encode(client, model):
     assert max_diff(query, model.encode(TEXTS, prompt_name="query", normalize_embeddings=True)) <= TOLERANCE
     ids = model[0].texts.encode(TEXTS[:4])
     with torch.inference_mode():
-        expected = model.forward_sequences(ids)["sentence_embedding"]
+        expected = model.forward_sequences([Tokens(i) for i in ids])["sentence_embedding"]
     assert max_diff(post(client, "/embed", {"inputs": ids}), expected) <= TOLERANCE
 
 
@@ -81,7 +82,9 @@ def test_over_long_input_is_an_error_unless_truncated(client, model):
     assert max_diff(right[0], model.encode(LONG, normalize_embeddings=True)) <= TOLERANCE
     ids = model[0].texts.encode([LONG], max_length=300)[0]  # token ids: the last 256 kept as given
     with torch.inference_mode():
-        expected = torch.nn.functional.normalize(model.forward_sequences([ids[-256:]])["sentence_embedding"], dim=1)
+        expected = torch.nn.functional.normalize(
+            model.forward_sequences([Tokens(ids[-256:])])["sentence_embedding"], dim=1
+        )
     assert (
         max_diff(post(client, "/embed", {"inputs": ids, "truncate": True, "truncation_direction": "Left"}), expected)
         <= TOLERANCE
@@ -112,7 +115,9 @@ def test_left_truncation_keeps_the_prompt_and_special_tokens(client, model, text
     kept = next((i for i, (a, b) in enumerate(zip(whole, prompt, strict=False)) if a != b), len(prompt))
     assert whole[0] == 1 and kept == len(prompt) - (not text.startswith(" "))
     with torch.inference_mode():
-        expected = model.forward_sequences([whole[:kept] + whole[kept - 256 :]], "query: ")["sentence_embedding"]
+        expected = model.forward_sequences([Tokens(whole[:kept] + whole[kept - 256 :])], "query: ")[
+            "sentence_embedding"
+        ]
     body = {"inputs": text, "truncate": True, "truncation_direction": "left", "prompt_name": "query"}
     assert max_diff(post(client, "/embed", body), torch.nn.functional.normalize(expected, dim=1)) <= TOLERANCE
 
