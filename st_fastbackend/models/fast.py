@@ -4,11 +4,13 @@ packed inference loop over the one schedule, and save() under the canonical modu
 
 A model class is `FastModel` before the sentence-transformers class it replaces, with its own `fast_modules`
 (which module classes become which), its pipeline check and what it makes of each pack's outputs. With any
-other backend it is exactly the sentence-transformers class.
+other backend it is exactly the sentence-transformers class: each of sentence-transformers' hooks it overrides is a
+`fast_method`, the parent's own where the model was not loaded with backend="fast".
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -50,6 +52,26 @@ class PackRows:
     finish: Callable[[list, torch.device], Any]  # (every text's rows, the device) -> the call's result
     copied_to_host: bool = False  # the rows are copied off a GPU without waiting (HostRows lands them packs behind)
     shared_prefix: SharedPrefix | None = None  # packed_runs' shared_prefix
+
+
+class fast_method:  # noqa: N801 (used as a decorator, as functools.cached_property)
+    """A sentence-transformers hook as the fast backend overrides it; on a model loaded with any other backend, the
+    parent class's own (the next class in the method resolution order that defines it). The backend is read here,
+    the one place, instead of a branch at the top of every override."""
+
+    def __init__(self, method: Callable) -> None:
+        self.method = method
+        functools.update_wrapper(self, method)
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.owner, self.name = owner, name
+
+    def __get__(self, model, kind: type | None = None):
+        if model is None:
+            return self
+        if model.backend != "fast":
+            return getattr(super(self.owner, model), self.name)
+        return self.method.__get__(model, kind)
 
 
 class FastModel:
@@ -108,21 +130,17 @@ class FastModel:
         return self[0]
 
     def prompt_prefix(self, prompt: str | None) -> Prefix | None:
-        return self.packed_input.prefix_for(prompt) if self.prompt_reuse and self.backend == "fast" else None
+        return self.packed_input.prefix_for(prompt) if self.prompt_reuse else None
 
     # -- loading and saving: sentence-transformers' module types outside, the packed ones inside --------
 
+    @fast_method
     def _load_default_modules(
         self, model_name_or_path: str, token, cache_folder, revision=None, trust_remote_code=False,
         local_files_only=False, model_kwargs=None, processor_kwargs=None, config_kwargs=None,
     ) -> tuple[list, dict]:  # fmt: skip
         """A bare Hugging Face checkpoint (no modules.json): the class's default_modules, with each module's kwargs
         as sentence-transformers' _load_default_modules builds them (the Hub's arguments in each)."""
-        if self.backend != "fast":
-            return super()._load_default_modules(
-                model_name_or_path, token, cache_folder, revision, trust_remote_code, local_files_only,
-                model_kwargs, processor_kwargs, config_kwargs,
-            )  # fmt: skip
         shared = {"token": token, "trust_remote_code": trust_remote_code, "revision": revision,
                   "local_files_only": local_files_only, "cache_dir": cache_folder}  # fmt: skip
         kwargs = {"model_kwargs": {**shared, **(model_kwargs or {})},
@@ -139,17 +157,16 @@ class FastModel:
         """Our module class -> the sentence-transformers class modules.json names for it."""
         return {ours: base for base, ours in self.fast_modules.items()}
 
+    @fast_method
     def save(self, path: str, *args, **kwargs) -> None:
         super().save(path, *args, **kwargs)
-        if self.backend == "fast":
-            _rewrite_module_types(path, self.saved_types())
+        _rewrite_module_types(path, self.saved_types())
 
     # -- inference ------------------------------------------------------------------------------
 
+    @fast_method
     def _inference(self, inputs: list, **kwargs):
-        """sentence-transformers' inference loop, or the packed one with backend="fast"."""
-        if self.backend != "fast":
-            return super()._inference(inputs, **kwargs)
+        """The packed loop in place of sentence-transformers' inference loop."""
         return self._packed_inference(inputs, **kwargs)
 
     @torch.inference_mode()
@@ -200,10 +217,11 @@ class FastModel:
         device = self._resolve_inference_device(device)
         return device, self._max_tokens_for(device, max_tokens_per_batch)
 
+    @fast_method
     def _resolve_inference_device(self, device) -> torch.device:
         """sentence-transformers looks at every parameter and buffer at every call (about 1 ms, a sixth of a short
         call's time): the fast backend keeps where the last call found them all, until the model moves (_apply)."""
-        if self.backend != "fast" or self._placement_is_delegated:
+        if self._placement_is_delegated:
             return super()._resolve_inference_device(device)
         if self._placed is None or self._placed[0] != str(device):
             self._placed = (str(device), super()._resolve_inference_device(device))
@@ -214,10 +232,10 @@ class FastModel:
         self._placed = None
         return super()._apply(*args, **kwargs)
 
+    @fast_method
     def _multi_process(self, inputs, *args, **kwargs):
         """A multi-process pool: bad input is named by the caller's index, before the inputs are split into chunks."""
-        if self.backend == "fast":
-            self.check_inputs(inputs)
+        self.check_inputs(inputs)
         return super()._multi_process(inputs, *args, **kwargs)
 
     def packed_runs(
@@ -275,9 +293,9 @@ class FastModel:
         packed = self.packed_input
         return default_max_tokens(packed.config, next(packed.parameters()).dtype, device)
 
+    @fast_method
     def get_model_kwargs(self) -> list[str]:
-        extra = ["max_tokens_per_batch"] if self.backend == "fast" else []
-        return [*super().get_model_kwargs(), *extra]
+        return [*super().get_model_kwargs(), "max_tokens_per_batch"]
 
 
 def text_tokens(texts: TextTokenizer, prompt: str | None) -> Tokenize:

@@ -19,7 +19,7 @@ from torch import Tensor
 from st_fastbackend.engine.spec import UnsupportedModelError
 from st_fastbackend.models.chunked import aggregate, chunk_vectors, pipeline_normalizes
 from st_fastbackend.models.chunking import Chunking, Chunks
-from st_fastbackend.models.fast import FastModel, PackRows, text_tokens
+from st_fastbackend.models.fast import FastModel, PackRows, fast_method, text_tokens
 from st_fastbackend.modules import PackedPooling, PackedTransformer
 
 OUTPUT_VALUES = ("sentence_embedding", "token_embeddings", None)
@@ -131,8 +131,9 @@ class SentenceTransformer(FastModel, sentence_transformers.SentenceTransformer):
             torch.cuda.synchronize(device)
         return found, device
 
+    @fast_method
     def get_model_kwargs(self) -> list[str]:
-        return [*super().get_model_kwargs(), *(["chunking"] if self.backend == "fast" else [])]
+        return [*super().get_model_kwargs(), "chunking"]
 
 
 def _chunk_rows(truncate_dim: int | None, normalize: bool):
