@@ -6,7 +6,7 @@ the same pieces on its workers."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -95,34 +95,24 @@ def multi_vector_rows(found: list[torch.Tensor]) -> MultiVectorRows:
     return MultiVectorRows(offsets, torch.cat(found).float().cpu().numpy())
 
 
-@dataclass(frozen=True)
-class DocumentRows:
-    """What a SparseEncoder's or MultiVectorEncoder's encode_document gives, as the rows output.py writes, and
-    the token ids it runs for each text (with `prompt`)."""
-
-    rows: Callable[[Any], Any]
-    tokens: Callable[[Any, list[str], str | None], list[list[int]]]  # (model.packed_input, texts, prompt)
-
-
-DOCUMENT_ROWS = {  # by the model class's output_kind
-    "sparse": DocumentRows(sparse_rows, lambda packed, texts, prompt: packed.texts.encode(texts, prompt)),
-    "multi_vector": DocumentRows(
-        multi_vector_rows, lambda packed, texts, prompt: packed.encode_task(texts, prompt, "document", 0)
-    ),
-}
+def document_rows(found: torch.Tensor | list[torch.Tensor]) -> SparseRows | MultiVectorRows:
+    """encode_document's result as the rows output.py writes: a sparse [n, dim] tensor (a SparseEncoder's), or each
+    text's [n_i, dim] token vectors (a MultiVectorEncoder's)."""
+    return sparse_rows(found) if isinstance(found, torch.Tensor) else multi_vector_rows(found)
 
 
 class DocumentEmbedder:
     """Texts -> the rows of a SparseEncoder or MultiVectorEncoder as its encode_document() gives them (task
     "document"; without a prompt or prompt name, the model's first of DOCUMENT_PROMPTS, else its default), and
-    each text's tokens. A text without any token raises NoTokensError (its position)."""
+    each text's tokens (as the class declares them: document_tokens). A text without any token raises
+    NoTokensError (its position)."""
 
     chunking = None  # chunks are a SentenceTransformer's (the command refuses --chunk-tokens for these)
 
     def __init__(self, model, *, prompt: str | None = None, prompt_name: str | None = None, batch_size: int = 32,
                  max_tokens_per_batch: int | None = None) -> None:  # fmt: skip
         model.eval()
-        self.model, self.kind = model, DOCUMENT_ROWS[model.output_kind]
+        self.model = model
         if prompt is None and prompt_name is None:
             prompt_name = next((name for name in DOCUMENT_PROMPTS if name in model.prompts), None)
         self.prompt = model._resolve_prompt(prompt, prompt_name) or None  # ValueError for an unknown name
@@ -132,15 +122,16 @@ class DocumentEmbedder:
 
     @torch.inference_mode()
     def __call__(self, texts: list[str]) -> tuple[Any, np.ndarray]:
-        tokens = self.kind.tokens(self.model.packed_input, texts, self.prompt)  # first: a text without tokens
+        tokens = self.model.document_tokens(texts, self.prompt)  # first: a text without tokens
         found = self.model.encode_document(texts, prompt=self.prompt or "", batch_size=self.batch_size,
                                            show_progress_bar=False, max_tokens_per_batch=self.max_tokens)  # fmt: skip
-        return self.kind.rows(found), np.array([len(ids) for ids in tokens], np.int64)
+        return document_rows(found), np.array([len(ids) for ids in tokens], np.int64)
 
 
 def embedder_for(model, *, chunking: Chunking | None = None, **options) -> TextEmbedder | DocumentEmbedder:
-    """The embedder of the model's class (options: prompt, prompt_name, batch_size, max_tokens_per_batch)."""
-    if getattr(model, "output_kind", "dense") in DOCUMENT_ROWS:
+    """The embedder of the model's class (options: prompt, prompt_name, batch_size, max_tokens_per_batch): a dense
+    model's, else a document encoder's (the command refuses other kinds before the model loads)."""
+    if getattr(model, "output_kind", "dense") != "dense":
         return DocumentEmbedder(model, **options)
     return TextEmbedder(model, chunking=chunking, **options)
 

@@ -44,6 +44,10 @@ class MultiVectorEncoder(FastModel, sentence_transformers.MultiVectorEncoder):
         """A bare checkpoint gets an untrained projection: nothing to be exact about."""
         raise UnsupportedModelError("A bare checkpoint as a MultiVectorEncoder (it gets an untrained projection)")
 
+    def document_tokens(self, texts: list[str], prompt: str | None) -> list:
+        """Each text's tokens as encode_document() runs it with `prompt` (the corpus job counts them)."""
+        return self[0].encode_task(texts, prompt, "document", 0)
+
     def pack_rows(self, prompt: str | None, options: dict) -> PackRows:
         """Per text its [len_i, dim] scored token vectors (normalised, pooled, on the host as asked)."""
         if options.pop("output_value") is None:

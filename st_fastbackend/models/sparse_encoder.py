@@ -116,6 +116,10 @@ class SparseEncoder(FastModel, sentence_transformers.SparseEncoder):
             return sentence_transformers.SparseEncoder._inference(self, inputs, **kwargs)
         return super()._packed_inference(inputs, **kwargs)
 
+    def document_tokens(self, texts: list[str], prompt: str | None) -> list[list[int]]:
+        """Each text's tokens as encode_document() runs it with `prompt` (the corpus job counts them)."""
+        return self.packed_input.texts.encode(texts, prompt)
+
     def served_kwargs(self) -> dict:
         """Its max_active_dims, a SparseAutoEncoder's k, as encode() passes it."""
         return {} if self.max_active_dims is None else {"max_active_dims": self.max_active_dims}
