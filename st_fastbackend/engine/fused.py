@@ -93,10 +93,9 @@ SEAMS = (rms_norm, residual_rms, residual_layer_norm, add_layer_norm, split_rota
 EAGER = SimpleNamespace(**{f.__name__: f for f in SEAMS})
 
 
-# Where the compiled seams are on unless said otherwise. CPU: off; measured side by side on a 2-core EPYC without
-# AVX-512 (eval/RESULTS.md, 2026-12-01), they cost MiniLM 9% and the small Mistral 3-5% and gave EmbeddingGemma
-# 8%: the matrix products, three quarters of the time, ran slower between compiled seams. CUDA: on, for the 16%
-# measured on an H200 in issue 15's experiment (not yet run from this code on a GPU).
+# Where the compiled seams are on unless said otherwise. CPU: off; measured side by side, the matrix products (most of
+# the time) ran slower between compiled seams than the seams gained (eval/RESULTS.md, "2026-12-01 — quiet CPU
+# tables"). CUDA: on, as issue 15's experiment on an H200 measured them (not yet run from this code on a GPU).
 ON_BY_DEFAULT = {"cuda": True}
 
 

@@ -2,12 +2,11 @@
 
 glibc's malloc gives a freed block above its mmap threshold (128 KiB, raised as such blocks are freed, to 32 MiB at
 most) back to the system at once, and gives back the free top of its heap once that passes twice the threshold. A
-pack's activations (MiniLM: 2 to 30 MB each; int8 products add passes of their own) were then mapped again, and
-faulted in page by page, at every layer: MiniLM on 160 Wikipedia paragraphs ran 2.1 s a pass instead of 1.7 in fp32
-(1.1 million page faults over a process's load, warm-up and four passes; 0.19 million with the thresholds) and lost
-~40% of its time in int8 (eval/RESULTS.md, 2026-12-02). With the thresholds below (mallopt(3)) a freed block of up to
-MMAP_BYTES stays in the heap for the next pass, and a heap's free top is given back only past TRIM_BYTES. Resident
-memory over 1,200 server-like calls grew 3 MiB more (MiniLM) and 22 MiB more (the small Mistral).
+pack's activations (megabytes each; int8 products add passes of their own) were then mapped again, and faulted in
+page by page, at every layer: a visible part of an fp32 pass and a large one of an int8 pass (eval/RESULTS.md,
+"2026-12-02 05:10 — int8 products"; its figures, and the resident memory the thresholds cost a server, in
+"2026-12-02 06:28–07:14"). With the thresholds below (mallopt(3)) a freed block of up to MMAP_BYTES stays in the
+heap for the next pass, and a heap's free top is given back only past TRIM_BYTES.
 
 A thread other than the main one allocates from an arena of its own made of 64 MiB heaps: there a block of 64 MiB or
 more is still mapped at each allocation.

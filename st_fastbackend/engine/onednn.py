@@ -1,8 +1,8 @@
 """CPU matrix products through oneDNN on weights reordered once into its blocked layout.
 
-Measured on this project's CPUs: fp32 products 10-40% faster than PyTorch's default, and activations
-computed inside the product (eval/RESULTS.md). An fp32 model multiplies in bf16 (inputs and weight
-rounded to bf16, fp32 sums) where PyTorch's own setting allows fp32 products to:
+Faster than PyTorch's default fp32 products on this project's CPUs, with activations computed inside the product
+(eval/RESULTS.md, "2026-11-30 — CPU speed after moving matrix products to oneDNN"). An fp32 model multiplies in
+bf16 (inputs and weight rounded to bf16, fp32 sums) where PyTorch's own setting allows fp32 products to:
 torch.set_float32_matmul_precision("medium") or torch.backends.mkldnn.matmul.fp32_precision = "bf16".
 Which dtype the products run in is part of the engine's Runtime (engine/runtime.py); engine/layers.Linear
 calls the functions here.
