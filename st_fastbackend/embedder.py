@@ -34,7 +34,7 @@ class Embedder:
         self.device: torch.device = model.device
         self.prompts: dict[str, str] = dict(model.prompts)
         self.kind: str = model.output_kind
-        self.outputs: tuple[str, ...] = tuple(model.served_rows)  # the outputs routes ask for, the first its main one
+        self.outputs: tuple[str, ...] = model.served_outputs  # the outputs routes ask for, the first its main one
         self.forward_kwargs: dict = model.served_kwargs()
         self.token_dimension: int = packed.get_embedding_dimension() if self.kind == "dense" else self.dimension
         self.document_length: int | None = getattr(packed, "document_length", None)  # a MultiVectorEncoder's
@@ -95,4 +95,4 @@ class Embedder:
 
     def rows(self, output: str, out: dict) -> list:
         """A pack's rows for `output`, one per sequence, on the host, as the model's class declares them."""
-        return self._model.served_rows[output](self._model, out)
+        return self._model.served_rows(output, out)

@@ -52,12 +52,12 @@ class TextEmbedder:
     def __call__(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         sequences = self.embedder.tokenize(texts, self.prompt)
         rows = np.empty((len(texts), self.dimension), np.float32)
+        options = {"output_value": "sentence_embedding", "save_to_cpu": False, "truncate_dim": None,
+                   "normalize_embeddings": self.normalize}  # fmt: skip
+        rule = self.model.pack_rows(self.prompt, options)  # the class's row rule, as encode() runs it
         schedule = self.embedder.schedule(self.prompt, self.batch_size, self.max_tokens)
         for picked, out in schedule.run(sequences):
-            embeddings = out["sentence_embedding"].float()
-            if self.normalize:
-                embeddings = torch.nn.functional.normalize(embeddings, p=2, dim=1)
-            rows[picked] = embeddings.cpu().numpy()
+            rows[picked] = rule.rows(out)[0].float().cpu().numpy()
         self.max_tokens = schedule.max_tokens
         return rows, np.array([len(ids) for ids in sequences], np.int64)
 

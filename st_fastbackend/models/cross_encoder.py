@@ -25,15 +25,11 @@ from st_fastbackend.modules.inputs import check_pairs
 from st_fastbackend.modules.scoring import PackedLogitScore, PackedScoringTransformer
 
 
-def _served_scores(model, out: dict) -> list[torch.Tensor]:
-    return list(out["scores"].float().cpu())  # B x [num_labels], raw: the server applies the activation per request
-
-
 class CrossEncoder(FastModel, sentence_transformers.CrossEncoder):
     fast_modules = {Transformer: PackedScoringTransformer, LogitScore: PackedLogitScore}
     inference_call = "predict"
     output_kind = "scores"
-    served_rows = {"scores": _served_scores}
+    served_outputs = ("scores",)
     prompt_reuse = False  # the prompt alone is not what pairs share: the tokens they begin with are (prefix_reuse)
     # On a causal-LM reranker the tokens every pair of a call begins with (a chat template's head and instruction,
     # rank()'s query) are computed once (PackedScoringTransformer.shared_prefix); False runs them with every pair.
@@ -84,6 +80,10 @@ class CrossEncoder(FastModel, sentence_transformers.CrossEncoder):
         if self.backend != "fast" or self[0].transformer_task == "text-generation":
             return super().num_labels
         return self[0].config.num_labels
+
+    def served_options(self, output: str) -> dict:
+        """Raw scores: the server applies the activation per request."""
+        return {"activation_fn": None, "apply_softmax": False}
 
     def pack_rows(self, prompt: str | None, options: dict) -> PackRows:
         """Each pair's score (or scores), as the parent's predict() makes them; on the model's device."""

@@ -38,7 +38,6 @@ TOKENIZE_CHUNK = 4096  # inputs tokenized together (while the previous chunk run
 # (the chunk's inputs, their positions) -> token ids, or Tokens records where a sequence has more (engine/batch.py)
 Tokenize = Callable[[list, range], list]
 SharedPrefix = Callable[[list[list[int]]], Prefix | None]  # a chunk's token ids -> what to compute once for them
-ServedRows = Callable[[Any, dict], list]  # (the model, a pack's outputs) -> one row per text, on the host
 
 
 @dataclass(frozen=True)
@@ -80,9 +79,9 @@ class FastModel:
     # What a text's row is, declared by the class (a subclass keeps it): the server's outputs and the corpus job's
     # rows are chosen by it (embedder.py, corpus/job.py), never by a class's name.
     output_kind: ClassVar[str] = "dense"
-    # What the server's worker makes of a pack's outputs (serve/batcher.py), declared by the class: for each output it
-    # serves, under the name a route asks for, one row per text. The first is its main output.
-    served_rows: ClassVar[dict[str, ServedRows]] = {}
+    # The outputs the server's worker asks a pack for (serve/batcher.py), under the names routes ask for them, the
+    # first its main one: each through the class's one row rule (served_rows).
+    served_outputs: ClassVar[tuple[str, ...]] = ()
     _max_tokens_per_batch: int | None = None
     _placed: tuple[str, torch.device] | None = None  # (the device asked, where every tensor was found), until a move
     # A prompt shared by the texts of a call (or a server batch) is computed once, on causal decoders
@@ -199,6 +198,20 @@ class FastModel:
     def pack_rows(self, prompt: str | None, options: dict) -> PackRows:
         """The class's row rule for a call with these options (it pops those it takes)."""
         raise NotImplementedError
+
+    def served_options(self, output: str) -> dict[str, Any]:
+        """encode()'s options (as pack_rows takes them) under which the row rule gives the server's rows of `output`:
+        raw (each route finishes them: truncation, normalisation, activation), left on the device."""
+        raise NotImplementedError
+
+    def served_rows(self, output: str, out: dict) -> list[torch.Tensor]:
+        """A pack's rows for the server: the class's one row rule (pack_rows) under served_options, a float32 tensor
+        per text, on the host."""
+        rows, counts = self.pack_rows(None, self.served_options(output)).rows(out)
+        if isinstance(rows, list):  # already one per text
+            return [row.float().cpu() for row in rows]
+        rows = rows.float().cpu()
+        return list(rows) if counts is None else list(rows.split(counts))
 
     def served_kwargs(self) -> dict[str, Any]:
         """What the server's forward passes take besides the pack, as encode() gives the modules by default."""

@@ -20,18 +20,11 @@ from st_fastbackend.models.fast import FastModel, PackRows
 from st_fastbackend.modules.multi_vector import PackedMultiVectorMask, PackedMultiVectorTransformer, scored_rows
 
 
-def _served_vectors(model, out: dict) -> list[Tensor]:
-    """Per text its scored token vectors [n_i, dim], as its encode() gives them (one copy per pack, split on the
-    host)."""
-    rows, counts = scored_rows(out)
-    return list(rows.float().cpu().split(counts))
-
-
 class MultiVectorEncoder(FastModel, sentence_transformers.MultiVectorEncoder):
     fast_modules = {Transformer: PackedMultiVectorTransformer, MultiVectorMask: PackedMultiVectorMask}
     prompt_reuse = False  # engine/prefix.py is for causal decoders, and a prompt's tokens are among the vectors
     output_kind = "multi_vector"
-    served_rows = {"token_embeddings": _served_vectors}  # encode()'s output_value="token_embeddings"
+    served_outputs = ("token_embeddings",)  # encode()'s output_value="token_embeddings"
 
     def _check_fast_pipeline(self, modules: list) -> None:
         super()._check_fast_pipeline(modules)
@@ -43,6 +36,10 @@ class MultiVectorEncoder(FastModel, sentence_transformers.MultiVectorEncoder):
     def default_modules(self, model_name_or_path: str, kwargs: dict[str, dict]) -> tuple[list, dict]:
         """A bare checkpoint gets an untrained projection: nothing to be exact about."""
         raise UnsupportedModelError("A bare checkpoint as a MultiVectorEncoder (it gets an untrained projection)")
+
+    def served_options(self, output: str) -> dict:
+        """Per text its scored token vectors [n_i, dim], as they leave the model (one copy per pack)."""
+        return {"output_value": output, "save_to_cpu": False, "normalize_embeddings": False, "token_pooling": None}
 
     def document_tokens(self, texts: list[str], prompt: str | None) -> list:
         """Each text's tokens as encode_document() runs it with `prompt` (the corpus job counts them)."""

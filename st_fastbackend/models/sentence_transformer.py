@@ -25,17 +25,9 @@ from st_fastbackend.modules import PackedPooling, PackedTransformer
 OUTPUT_VALUES = ("sentence_embedding", "token_embeddings", None)
 
 
-def _served_sentences(model, out: dict[str, Any]) -> list[Tensor]:
-    return list(out["sentence_embedding"].float().cpu())  # B x [dim]
-
-
-def _served_tokens(model, out: dict[str, Any]) -> list[Tensor]:
-    return [rows.float().cpu() for rows in per_text_tokens(out)[1]]  # B x [len_i, H], as encode() gives them
-
-
 class SentenceTransformer(FastModel, sentence_transformers.SentenceTransformer):
     fast_modules = {Transformer: PackedTransformer, Pooling: PackedPooling}
-    served_rows = {"sentence_embedding": _served_sentences, "token_embeddings": _served_tokens}
+    served_outputs = ("sentence_embedding", "token_embeddings")
 
     def _check_fast_pipeline(self, modules: list) -> None:
         super()._check_fast_pipeline(modules)
@@ -59,6 +51,9 @@ class SentenceTransformer(FastModel, sentence_transformers.SentenceTransformer):
         if chunking is None:
             return super()._packed_inference(inputs, output_value=output_value, **kwargs)
         return self._aggregated(inputs, chunking, output_value, **kwargs)
+
+    def served_options(self, output: str) -> dict[str, Any]:
+        return {"output_value": output, "save_to_cpu": False, "truncate_dim": None, "normalize_embeddings": False}
 
     def pack_rows(self, prompt: str | None, options: dict) -> PackRows:
         """Each text's sentence embedding (truncated, normalised, on the host as asked), token embeddings or dict of

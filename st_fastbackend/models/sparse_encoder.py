@@ -44,18 +44,9 @@ class PackedSparseInput(PackedTransformer):
         return PackedTransformer(model_name_or_path, **config)
 
 
-def _served_sparse(model, out: dict) -> list[tuple[Tensor, Tensor]]:
-    """Per text its active dimensions and their values, the model's max_active_dims kept, as encode() gives them."""
-    embeddings = out["sentence_embedding"]
-    if model.max_active_dims is not None:
-        embeddings = select_max_active_dims(embeddings, max_active_dims=model.max_active_dims)
-    dense = embeddings.float().cpu()  # [B, vocab]
-    return [(row.nonzero().squeeze(1), row[row != 0]) for row in dense]
-
-
 class SparseEncoder(FastModel, sentence_transformers.SparseEncoder):
     output_kind = "sparse"
-    served_rows = {"sparse": _served_sparse}
+    served_outputs = ("sparse",)  # per text its [vocab] row: the route sends its active dimensions
     fast_modules = {Transformer: PackedSparseInput, MLMTransformer: PackedMaskedLM, Pooling: PackedPooling,
                     SpladePooling: PackedSpladePooling}  # fmt: skip
     prompt_reuse = False  # engine/prefix.py is for causal decoders; SPLADE and CSR sit on encoders
@@ -119,6 +110,10 @@ class SparseEncoder(FastModel, sentence_transformers.SparseEncoder):
     def document_tokens(self, texts: list[str], prompt: str | None) -> list[list[int]]:
         """Each text's tokens as encode_document() runs it with `prompt` (the corpus job counts them)."""
         return self.packed_input.texts.encode(texts, prompt)
+
+    def served_options(self, output: str) -> dict:
+        """The model's max_active_dims kept, as encode() keeps them."""
+        return {"convert_to_sparse_tensor": False, "save_to_cpu": False, "max_active_dims": self.max_active_dims}
 
     def served_kwargs(self) -> dict:
         """Its max_active_dims, a SparseAutoEncoder's k, as encode() passes it."""

@@ -67,7 +67,7 @@ class Reranker:
         self.vocab_size: int = model[0].config.vocab_size
         self.normalizes = False
         self.device: torch.device = model.device
-        self.outputs: tuple[str, ...] = tuple(model.served_rows)
+        self.outputs: tuple[str, ...] = model.served_outputs
         self.forward_kwargs: dict = model.served_kwargs()
         self.activation_fn = model.activation_fn
         self.pair_reader = PairReader(model[0])
@@ -85,7 +85,7 @@ class Reranker:
         return Schedule(self._model, prompt, self.device, max_texts, max_tokens, self.forward_kwargs)
 
     def rows(self, output: str, out: dict) -> list:
-        return self._model.served_rows[output](self._model, out)
+        return self._model.served_rows(output, out)
 
 
 ENDPOINTS = Endpoints()  # a cross-encoder's
@@ -131,9 +131,9 @@ async def _score(
     except ValueError as error:  # a pair without tokens
         raise ApiError(400, str(error)) from error
     rows = await call.rows(ids, None, "tokens of pairs")
-    logits = torch.stack([row for row, _ in rows])  # [N, 1]
+    logits = torch.stack([row for row, _ in rows])  # [N]: one label
     scores = logits if raw or reranker.activation_fn is None else reranker.activation_fn(logits)
-    return scores.squeeze(-1).tolist(), sum(n for _, n in rows)
+    return scores.tolist(), sum(n for _, n in rows)
 
 
 def _check(served: Served, query: str, documents: list[str], field: str) -> None:

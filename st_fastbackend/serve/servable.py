@@ -1,6 +1,6 @@
 """What the server's worker and routes use of the model they serve: an embedding model's Embedder (embedder.py), a
-CrossEncoder's Reranker (serve/rerank.py). A pack's rows are what the model's class declares (FastModel.served_rows),
-so a class of a new kind is served without a change here."""
+CrossEncoder's Reranker (serve/rerank.py). A pack's rows are what the model's class's one row rule gives
+(FastModel.served_rows), so a class of a new kind is served without a change here."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ class Servable(Protocol):
     vocab_size: int
     normalizes: bool  # the model's own vectors are unit length
     device: torch.device
-    outputs: tuple[str, ...]  # what its packs give per text (its class's served_rows), the first its main output
+    outputs: tuple[str, ...]  # what its packs give per text (its class's served_outputs), the first its main output
 
     def compiles_seams(self) -> bool: ...
 

@@ -4,6 +4,7 @@ fields (inputs, truncate, truncation_direction, prompt_name) and error shape (se
 
 from __future__ import annotations
 
+import torch
 from fastapi.responses import Response
 
 from st_fastbackend.serve.endpoints import Call, Endpoints
@@ -16,6 +17,10 @@ ENDPOINTS = Endpoints(tei_shape)
 @ENDPOINTS.post("/embed_sparse", output="sparse")
 async def embed_sparse(call: Call, body: EmbedAllRequest) -> Response:
     rows = await embed_request(call, body)
-    values = [[{"index": i, "value": v} for i, v in zip(index.tolist(), value.tolist(), strict=True)]
-              for (index, value), _ in rows]  # fmt: skip
-    return json_response(values)
+    return json_response([_active(row) for row, _ in rows])
+
+
+def _active(row: torch.Tensor) -> list[dict]:
+    """A [vocab] row's active dimensions, ascending, with their values."""
+    index = row.nonzero().squeeze(1)
+    return [{"index": i, "value": v} for i, v in zip(index.tolist(), row[index].tolist(), strict=True)]

@@ -205,18 +205,17 @@ def first_tokens(out: dict) -> torch.Tensor:
 
 
 class FirstTokens(SentenceTransformer):
-    """A fifth output kind, in one class: each text's first token vector, from its row rules alone, encode()'s
-    (pack_rows) and the server's (served_rows: what a route asking for sentence embeddings gets)."""
+    """A fifth output kind, in one class: each text's first token vector, from its one row rule (pack_rows), which
+    encode() and the server's worker (what a route asking for sentence embeddings gets) both finish rows through."""
 
     output_kind = "first_token"
-    served_rows = {"sentence_embedding": lambda model, out: list(first_tokens(out).float().cpu())}
 
     def pack_rows(self, prompt, options):
         from st_fastbackend.models.fast import PackRows, text_tokens
 
         for name in ("output_value", "save_to_cpu", "truncate_dim", "normalize_embeddings"):
             options.pop(name)
-        return PackRows(text_tokens(self[0].texts, prompt), lambda out: (first_tokens(out).cpu(), None),
+        return PackRows(text_tokens(self[0].texts, prompt), lambda out: (first_tokens(out), None),
                         lambda results, device: torch.stack(results))  # fmt: skip
 
 

@@ -120,7 +120,7 @@ def test_host_waits_per_pack_do_not_grow_with_the_texts(tmp_path, texts, monkeyp
             fast[0].encode_task(texts[:n], None, "document", 0), module_kwargs={"task": "document"}
         )
         with HostWaits() as counter:
-            assert len(fast.served_rows["token_embeddings"](fast, out)) == n
+            assert len(fast.served_rows("token_embeddings", out)) == n
         served.append(counter.count)
     assert waits == [1, 1] and served == [2, 2]  # the counts; the server also copies the rows (it needs them now)
 
