@@ -37,7 +37,7 @@ from st_fastbackend.modules.tokenizer import TextTokenizer
 TOKENIZE_CHUNK = 4096  # inputs tokenized together (while the previous chunk runs) and sorted by length
 # (the chunk's inputs, their positions) -> token ids, or Tokens records where a sequence has more (engine/batch.py)
 Tokenize = Callable[[list, range], list]
-SharedPrefix = Callable[[list[list[int]]], Prefix | None]  # a chunk's token ids -> what to compute once for them
+SharedPrefix = Callable[[list], Prefix | None]  # a chunk's sequences (as tokenized) -> what to compute once for them
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class PackRows:
     shared_prefix: SharedPrefix | None = None  # packed_runs' shared_prefix
 
 
-class fast_method:  # noqa: N801 (used as a decorator, as functools.cached_property)
+class fast_method:  # lower case: a decorator, as functools.cached_property
     """A sentence-transformers hook as the fast backend overrides it; on a model loaded with any other backend, the
     parent class's own (the next class in the method resolution order that defines it). The backend is read here,
     the one place, instead of a branch at the top of every override."""
