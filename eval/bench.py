@@ -8,6 +8,7 @@ ceiling measured in the same run, and peak extra memory.
     python eval/bench.py                                  # every model, workload and dtype
     python eval/bench.py --models minilm --workloads sts --dtypes fp32 --rounds 3
     python eval/bench.py --peers vllm=/opt/vllm-cpu/bin/python openvino=/opt/ov/bin/python
+    python eval/bench.py --models minilm --workloads paragraphs --dtypes fp32 --contention 2  # a busy host
     python eval/bench.py --dtypes fp32 --int8 --peers onnx-int8=/tmp/peer/bin/python openvino-int8=/tmp/peer/bin/python
     python eval/bench.py --models splade colbert --workloads scifact-docs --dtypes fp32 bf16 --batch-size 16
     python eval/bench.py --workloads rerank --dtypes fp32 bf16 --queries 100        # CrossEncoder (issue 29)
@@ -72,6 +73,9 @@ def arguments():
     parser.add_argument("--queries", type=int, default=100, help="rerank: SciFact claims, 50 documents each")
     parser.add_argument("--max-texts", type=int, default=None, help="the first N texts of each workload")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--contention", type=int, default=0, metavar="N",
+                        help="N processes spinning on the CPU beside every system's rounds, peers' too: the lead "
+                        "on a busy host")  # fmt: skip
     parser.add_argument("--other-seams", action="store_true",
                         help="also the fast backend with its layer seams the other way: compiled where they are eager "
                         "by default (CPU), eager where compiled (CUDA)")  # fmt: skip
@@ -165,6 +169,8 @@ def main() -> None:
     texts_by_workload = workloads(args.data_dir)
     ceilings = {name: measure.gemm_ceiling(PRECISIONS[name][1], args.device) for name in args.dtypes}
     print(f"GEMM ceiling on {args.device}: " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in ceilings.items()))
+    if args.contention:
+        print(f"{args.contention} busy processes beside every system's rounds (--contention)")
 
     rows = []
     for model_name in args.models if set(args.workloads) - {"rerank"} else []:
@@ -181,14 +187,15 @@ def main() -> None:
                 token_ids = systems["fast"][0].texts.encode(texts, prompt)
                 systems_here = compared(systems, path, dtype_name, prompt, args)
                 method = "encode" if kind == "SentenceTransformer" else "encode_document"
-                results = measure.encode_rounds(
-                    systems_here, texts, args.batch_size, args.rounds, args.device, prompt, method
-                )
-                for peer, python in peers.items():
-                    peer_dtype = "fp32" if dtype == torch.float32 else "bf16"  # peers pick their own products
-                    results[peer] = models.run_peer(
-                        peer, python, path, peer_dtype, texts, args.batch_size, args.rounds
+                with measure.contention(args.contention):
+                    results = measure.encode_rounds(
+                        systems_here, texts, args.batch_size, args.rounds, args.device, prompt, method
                     )
+                    for peer, python in peers.items():
+                        peer_dtype = "fp32" if dtype == torch.float32 else "bf16"  # peers pick their own products
+                        results[peer] = models.run_peer(
+                            peer, python, path, peer_dtype, texts, args.batch_size, args.rounds
+                        )
                 if dtype_name == "fp32":
                     references[workload] = results["plain"]["embeddings"]
                 tokens = sum(map(len, token_ids))
@@ -208,6 +215,7 @@ def main() -> None:
         "date": stamp,
         "machine": machine,
         "torch": torch.__version__,
+        "contention": args.contention,
         "ceilings_gflops": ceilings,
         "rows": rows,
     }

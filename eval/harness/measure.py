@@ -3,12 +3,15 @@ ceiling and a model's FLOPs."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import statistics
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 
@@ -32,6 +35,19 @@ class Rounds:
     def ratio(self, name: str, base: str = "plain") -> float:
         """How many times faster `name` is than `base`, median against median."""
         return self.median(base) / self.median(name)
+
+
+@contextlib.contextmanager
+def contention(threads: int) -> Iterator[None]:
+    """`threads` processes spinning on the CPU beside everything run inside (the same for every system, peers too):
+    a busy host, as a server in a container with neighbours has one. Ended, whatever happens, on leaving."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(threads)]
+    try:
+        yield
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
 
 
 def alternate(calls: dict[str, Callable[[], object]], rounds: int, device: str = "cpu", block: int = 1) -> Rounds:
