@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import time
 from dataclasses import dataclass
 
@@ -83,7 +84,7 @@ class CheckReport:
             f"contract: {self.contract}",
             f"ran: {self.ran}",
             f"speed: fast {self.speedup:.2f}x plain ({self.fast_seconds:.3f} s against {self.plain_seconds:.3f} s "
-            f"on {inputs} inputs, one pass each after a warm-up call)",
+            f"on {inputs} inputs, one pass each after a warm-up call; {machine_load()})",
             "",
             f"{'case':<22} {'inputs':>6} {'max|diff|':>10} {'1-cos':>10} {'bound':>10}  result",
         ]
@@ -203,3 +204,13 @@ def _ran(transformer) -> str:
     device = next(transformer.parameters()).device.type
     setting = (torch.backends.cuda if device == "cuda" else torch.backends.mkldnn).matmul.fp32_precision
     return f"{transformer.runtime}{quantize}; PyTorch's fp32 matmul precision {setting!r} ({device})"
+
+
+def machine_load() -> str:
+    """The load beside a printed speed ratio: on a busy machine the ratio is distorted (issue 47: 0.76x seen so)."""
+    if not hasattr(os, "getloadavg"):  # Windows
+        return "load unknown"
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    note = f"load {load:.1f} on {cores} cores over the last minute, this run included"
+    return note + (": busy, so the ratio is distorted; time it on a quiet machine" if load > cores else "")
+
