@@ -36,7 +36,8 @@ def sentences(data_dir: Path, n: int) -> list[str]:
             rows = list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
         print(f"Sentences: STS-B test from {stsb}")
         return [r[key] for r in rows for key in ("sentence1", "sentence2")][:n]
-    print(f"Sentences: the captions bundled in {BUNDLED.relative_to(HERE.parent)} (no STS-B under {data_dir})")
+    print(f"Sentences: the captions bundled in {BUNDLED.relative_to(HERE.parent)} (no STS-B under {data_dir}; "
+          "give --data-dir DIR or set ST_FASTBACKEND_DATA_DIR)")
     return BUNDLED.read_text(encoding="utf8").splitlines()[:n]
 
 
