@@ -1,5 +1,5 @@
 # Every target sets up .venv itself. On a CUDA machine: make test-gpu (the CUDA build of PyTorch from PyPI,
-# then the suite with its models on the GPU), or make test TORCH=torch (see README).
+# then the suite with its models on the GPU), or make test TORCH=torch (see docs/gpus.md).
 VENV := .venv
 PY := $(VENV)/bin/python
 ifeq ($(MAKECMDGOALS),test-gpu)

@@ -24,7 +24,7 @@ EXACT = 1e-5  # fp32: max |fast - plain| on unit-norm embeddings, or on predict(
 # bf16/fp16 (the model's dtype, or an fp32 model's products): the error against plain fp32 at most this many times
 # plain sentence-transformers' own in that dtype (DESIGN.md's ~3x; tests/engine/test_bf16.py asserts 2x over 40 texts).
 LOW_PRECISION_FACTOR = 3.0
-# int8 products: 1 - cosine against plain fp32 (tests/engine/test_int8.py; README: 1.8e-2 the worst of STS-B's texts).
+# int8 products: 1 - cosine against plain fp32 (tests/engine/test_int8.py; docs/cpu.md: 1.8e-2 the worst STS-B text).
 INT8_ONE_MINUS_COS = 2e-2
 
 
