@@ -30,6 +30,13 @@ def test_every_server_block_is_the_same_command():
     assert len({b.code for b in BLOCKS if b.mark == "server"}) == 1
 
 
+@pytest.mark.parametrize("page", sorted(p.name for p in (ROOT / "docs").glob("*.md")))
+def test_every_page_is_linked_from_the_readme_and_in_the_site_nav(page):
+    assert f"(docs/{page})" in (ROOT / "README.md").read_text(), f"README.md does not link docs/{page}"
+    nav = [line.strip() for line in (ROOT / "mkdocs.yml").read_text().splitlines()]
+    assert any(line.startswith("- ") and line.endswith(f": {page}") for line in nav), f"mkdocs.yml's nav lacks {page}"
+
+
 def snippet_env(cache: Path, home: Path) -> dict:
     (home / ".curlrc").write_text("fail-with-body\n")  # curl -s alone exits 0 on a 4xx: let the block fail
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
