@@ -221,6 +221,7 @@ def main() -> None:
     }
     out = report.results_file(args.output_dir, "bench", payload, stamp)
     report.chart(rows, [f"{r['model']}\n{r['dtype']} {r['workload']}" for r in rows], out.with_suffix(".png"))
+    print(f"machine: {machine}")  # its load: a busy machine's ratios are distorted
     print(f"written to {out} and {out.with_suffix('.png')}")
 
 

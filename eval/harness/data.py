@@ -6,9 +6,18 @@ import csv
 import json
 from pathlib import Path
 
+WHERE = "the data folder is --data-dir, else $ST_FASTBACKEND_DATA_DIR, else ../shared/data beside the repository"
+
+
+def present(path: Path) -> Path:
+    """`path`, or the script stops in one line naming it and where the data folder is looked for."""
+    if not path.is_file():
+        raise SystemExit(f"eval: error: no {path} ({WHERE})")
+    return path
+
 
 def jsonl(path: Path) -> list[dict]:
-    with open(path, encoding="utf8") as f:
+    with open(present(path), encoding="utf8") as f:
         return [json.loads(line) for line in f]
 
 
@@ -19,7 +28,7 @@ def texts(path: Path) -> list[str]:
 
 def read_tsv(path: Path) -> list[dict[str, str]]:
     """Tab separated with a header; csv.QUOTE_NONE, since sentences hold `"` but never a tab or newline."""
-    with open(path, encoding="utf8", newline="") as f:
+    with open(present(path), encoding="utf8", newline="") as f:
         return list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
 
 

@@ -30,11 +30,15 @@ def cpu() -> str:
 
 
 def machine(device: str = "cpu") -> str:
-    """One line: the CPU, its cores, torch's threads and version, and the device."""
+    """One line: the CPU, its cores, torch's threads and version, the device and the load (a busy machine's
+    ratios are distorted)."""
     import torch
 
+    from st_fastbackend.models.check import machine_load
+
     where = torch.cuda.get_device_name() if device.startswith("cuda") else device
-    return f"{cpu()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, torch {torch.__version__}, {where}"
+    threads = torch.get_num_threads()
+    return f"{cpu()}, {os.cpu_count()} cores, {threads} threads, torch {torch.__version__}, {where}; {machine_load()}"
 
 
 def write_json(path: Path, payload: dict) -> Path:

@@ -58,7 +58,7 @@ def add_embed_corpus(commands, formatter_class) -> None:
     corpus.add_argument("--skip-duplicate-ids", action="store_true",
                         help="list every row whose id other rows have too in rejects.parquet (none of them embedded), "
                              "not stop")  # fmt: skip
-    chunks = corpus.add_argument_group("long documents: chunks instead of truncation (README: Long documents)")
+    chunks = corpus.add_argument_group("long documents: chunks instead of truncation (docs/long-documents.md)")
     chunks.add_argument(
         "--chunk-tokens",
         type=positive,

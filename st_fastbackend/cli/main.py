@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from st_fastbackend import __version__
 from st_fastbackend.cli.check import add_check, check
@@ -37,6 +38,22 @@ def main(argv: list[str] | None = None) -> None:
             raise
         print(f"{PROG}: error: {error}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print(f"{PROG}: {interrupted(args)}", file=sys.stderr)
+        sys.exit(130)  # the shell's status for a process ended by SIGINT
+
+
+def interrupted(args: argparse.Namespace) -> str:
+    """What Ctrl-C left behind, in one line."""
+    if args.command == "embed-corpus":  # complete shards are renamed into place; a resume skips their ids
+        kept = len(list(Path(args.output_dir).glob("part-*.parquet")))
+        return f"interrupted; {kept} complete shards kept in {args.output_dir}: run the same command to resume"
+    output = getattr(args, "output", None)
+    if output and output != "-":  # written once every text has run: complete only if the write ended
+        return f"interrupted; {output} may be missing or incomplete: run the command again"
+    return "interrupted"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_encode(commands.add_parser("encode", parents=[common], formatter_class=defaults,
                                    help="embed texts, one per line, into a file"))  # fmt: skip
     add_serve(commands.add_parser("serve", parents=[common], formatter_class=defaults,
-                                  help="OpenAI-compatible /v1/embeddings server with dynamic batching"))  # fmt: skip
+                                  help="serve the model over HTTP with dynamic batching: OpenAI, text-"
+                                  "embeddings-inference and Cohere routes; rerank for a cross-encoder"))  # fmt: skip
     add_embed_corpus(commands, defaults)
     add_rerank(commands.add_parser("rerank", parents=[common], formatter_class=defaults,
                                    help="score documents, one per line, against a query (cross-encoder)"))  # fmt: skip

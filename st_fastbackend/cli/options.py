@@ -43,7 +43,7 @@ def positive(value: str) -> int:
     return number
 
 
-QUANTIZE_HELP = "int8: integer products in the Linear layers (CPU with AVX512-VNNI; its error bound: README, int8)"
+QUANTIZE_HELP = "int8: integer products in the Linear layers (CPU with AVX512-VNNI; its error bound: docs/cpu.md)"
 
 
 def model_kwargs(args: argparse.Namespace) -> dict:

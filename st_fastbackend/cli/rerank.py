@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from st_fastbackend.cli.files import CliError, read_texts
-from st_fastbackend.cli.options import check_model, describe, first_line, model_kwargs, positive
+from st_fastbackend.cli.options import add_prompt_options, check_model, describe, first_line, model_kwargs, positive
 
 
 def add_rerank(rerank: argparse.ArgumentParser) -> None:
@@ -21,7 +21,7 @@ def add_rerank(rerank: argparse.ArgumentParser) -> None:
                         help="fast: the packed backend; the others: plain sentence-transformers")  # fmt: skip
     rerank.add_argument("--top-k", type=positive, default=None, help="keep the best K documents")
     rerank.add_argument("--raw-scores", action="store_true", help="logits, without the model's activation")
-    rerank.add_argument("--prompt", default=None, help="text put before the query, e.g. an instruction")
+    add_prompt_options(rerank, "Instruct: find the passage that answers the question. Query: ", "query")
     rerank.add_argument("--batch-size", type=int, default=32, help="pairs per batch at most")
     rerank.add_argument("--max-tokens-per-batch", type=positive, default=None,
                         help="tokens per packed batch (--backend fast); default: the model's, by device")  # fmt: skip
@@ -36,7 +36,13 @@ def rerank(args: argparse.Namespace) -> None:
         raise CliError("--max-tokens-per-batch needs --backend fast")
     documents = read_texts(args.input)
     model = load_cross_encoder(args)
-    options = dict(batch_size=args.batch_size, prompt=args.prompt, top_k=args.top_k, return_documents=True)
+    options = dict(
+        batch_size=args.batch_size,
+        prompt=args.prompt,
+        prompt_name=args.prompt_name,
+        top_k=args.top_k,
+        return_documents=True,
+    )
     if args.raw_scores:
         import torch
 

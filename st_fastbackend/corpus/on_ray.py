@@ -7,6 +7,7 @@ every node reaches (a shared filesystem on a cluster)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Iterable
@@ -40,12 +41,21 @@ from st_fastbackend.integrations.ray import ROWS_PER_CALL, embed_dataset
 def start_ray(address: str | None, cpus: float) -> None:
     """Join the cluster at `address`; else one on this machine with the workers' CPUs and one to read and write.
     A Ray already started in this process (a test's, a notebook's) is used as it is."""
+    quiet_ray_data()
     if ray.is_initialized():
         return
     if address:
         ray.init(address=address)
     else:
-        ray.init(num_cpus=int(cpus) + 1, include_dashboard=False)
+        ray.init(num_cpus=int(cpus) + 1, include_dashboard=False, logging_level=logging.WARNING)
+
+
+def quiet_ray_data() -> None:
+    """The job draws its own progress bar and sums up in one line: without this, Ray Data logs a status block every
+    10 s where stdout is not a terminal, and INFO lines (plans, starts, the sink) between them. Warnings stay."""
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # "Progress bars disabled. To enable..."
 
 
 def read_dataset(scan: InputScan, columns: Columns) -> ray.data.Dataset:

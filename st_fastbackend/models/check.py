@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import time
 from dataclasses import dataclass
 
@@ -23,7 +24,7 @@ EXACT = 1e-5  # fp32: max |fast - plain| on unit-norm embeddings, or on predict(
 # bf16/fp16 (the model's dtype, or an fp32 model's products): the error against plain fp32 at most this many times
 # plain sentence-transformers' own in that dtype (DESIGN.md's ~3x; tests/engine/test_bf16.py asserts 2x over 40 texts).
 LOW_PRECISION_FACTOR = 3.0
-# int8 products: 1 - cosine against plain fp32 (tests/engine/test_int8.py; README: 1.8e-2 the worst of STS-B's texts).
+# int8 products: 1 - cosine against plain fp32 (tests/engine/test_int8.py; docs/cpu.md: 1.8e-2 the worst STS-B text).
 INT8_ONE_MINUS_COS = 2e-2
 
 
@@ -83,7 +84,7 @@ class CheckReport:
             f"contract: {self.contract}",
             f"ran: {self.ran}",
             f"speed: fast {self.speedup:.2f}x plain ({self.fast_seconds:.3f} s against {self.plain_seconds:.3f} s "
-            f"on {inputs} inputs, one pass each after a warm-up call)",
+            f"on {inputs} inputs, one pass each after a warm-up call; {machine_load()})",
             "",
             f"{'case':<22} {'inputs':>6} {'max|diff|':>10} {'1-cos':>10} {'bound':>10}  result",
         ]
@@ -203,3 +204,13 @@ def _ran(transformer) -> str:
     device = next(transformer.parameters()).device.type
     setting = (torch.backends.cuda if device == "cuda" else torch.backends.mkldnn).matmul.fp32_precision
     return f"{transformer.runtime}{quantize}; PyTorch's fp32 matmul precision {setting!r} ({device})"
+
+
+def machine_load() -> str:
+    """The load beside a printed speed ratio: on a busy machine the ratio is distorted (issue 47: 0.76x seen so)."""
+    if not hasattr(os, "getloadavg"):  # Windows
+        return "load unknown"
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    note = f"load {load:.1f} on {cores} cores over the last minute, this run included"
+    return note + (": busy, so the ratio is distorted; time it on a quiet machine" if load > cores else "")
+

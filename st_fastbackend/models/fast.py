@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -96,6 +97,7 @@ class FastModel:
             )
         asked = kwargs
         if backend == "fast":
+            _refuse_missing_folder(args[0] if args else kwargs.get("model_name_or_path"))
             kwargs = _load_on_device(kwargs)
             # module_classes, which sentence-transformers reads for every modules.json type (a Router's too)
             self._module_classes = _FastClasses(self.fast_modules)
@@ -379,6 +381,14 @@ def _rewrite_router_types(router_json: Path, canonical: dict[str, type]) -> None
         if (base := canonical.get(type_name)) is not None:
             config["types"][key] = f"{base.__module__}.{base.__name__}"
     router_json.write_text(json.dumps(config, indent=4))
+
+
+def _refuse_missing_folder(name) -> None:
+    """A path that names no folder, as the CLI says it: "./my-modle" would otherwise reach the Hub as a repo id
+    and fail naming the characters a repo id may hold (sentence-transformers catches only "a/b/c")."""
+    looks_local = isinstance(name, os.PathLike) or (isinstance(name, str) and name.startswith((".", "/", "~")))
+    if looks_local and not Path(name).expanduser().exists():
+        raise FileNotFoundError(f"model folder {name} does not exist")
 
 
 class _FastClasses(Mapping):

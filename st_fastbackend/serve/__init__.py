@@ -1,1 +1,2 @@
-"""OpenAI-compatible /v1/embeddings server with dynamic batching (FastAPI + uvicorn)."""
+"""The HTTP server: OpenAI, text-embeddings-inference and Cohere routes, rerank for a cross-encoder, with dynamic
+batching (FastAPI + uvicorn)."""

@@ -59,12 +59,22 @@ def unparsable_body(cause: BaseException | None) -> str | None:
     return None
 
 
+def not_json(content_type: str | None) -> str | None:
+    """The Content-Type a request sent where it is not JSON (FastAPI parses a body without one as JSON)."""
+    media = (content_type or "").split(";")[0].strip().lower()
+    return None if not media or media == "application/json" or media.endswith("+json") else media
+
+
 def add_error_handlers(app: FastAPI, fail: ErrorResponses) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         path = request.url.path
         if any(e["type"] == "json_invalid" for e in exc.errors()):
             return fail(ApiError(400, "The request body is not valid JSON.", code="invalid_json"), path=path)
+        if (sent := not_json(request.headers.get("content-type"))) is not None:
+            # FastAPI reads such a body as bytes and reports only the fields it then lacks (curl -d sends forms)
+            message = f"The request body must be JSON: send the header Content-Type: application/json (not {sent})."
+            return fail(ApiError(400, message, code="invalid_content_type"), path=path)
         details = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         return fail(ApiError(400, f"Invalid request: {details}"), path=path)
 

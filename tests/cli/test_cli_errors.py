@@ -1,6 +1,7 @@
 """The command line as a user meets it, in real processes: a mistake is one line and exit status 2, with no
 traceback and nothing written; --version and --help answer without importing torch."""
 
+import importlib
 import subprocess
 import sys
 
@@ -66,6 +67,25 @@ def test_debug_shows_the_traceback(tmp_path):
     result = run_cli("encode", "some/model", "--input", "missing.txt", "--output", "out.npy", "--debug", cwd=tmp_path)
     assert result.returncode == 1 and "Traceback" in result.stderr.decode()
     assert "CliError: input file missing.txt does not exist" in result.stderr.decode()
+
+
+def test_ctrl_c_is_one_line_saying_what_was_kept(tmp_path, monkeypatch, capsys):
+    """Issue 47: Ctrl-C during embed-corpus printed a 27-frame traceback; now one line, the shards kept named."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("part-00000.parquet", "part-00001.parquet", ".part-00002.parquet.tmp"):
+        (out / name).write_bytes(b"")
+
+    def stopped(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib.import_module("st_fastbackend.cli.main"), "embed_corpus", stopped)
+    with pytest.raises(SystemExit) as exit:
+        main(["embed-corpus", "corpus.parquet", str(out), "--model", "m"])
+    assert exit.value.code == 130
+    assert capsys.readouterr().err == (
+        f"{PROG}: interrupted; 2 complete shards kept in {out}: run the same command to resume\n"
+    )
 
 
 def test_dtype_aliases_are_accepted():

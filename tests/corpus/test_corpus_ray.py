@@ -332,3 +332,22 @@ def test_a_share_of_a_gpu_sizes_the_token_budget_on_that_share(monkeypatch):
     assert share_budget(config, torch.float16, cuda, 1) is None
     assert share_budget(config, torch.float16, cuda, 0) is None
     assert share_budget(config, torch.float16, torch.device("cpu"), 0.5) is None
+
+
+@pytest.mark.slow
+def test_ray_data_is_quiet_under_the_cli():
+    """Issue 47: Ray Data logged a status block every 10 s (stdout not a terminal) beside the job's own bar."""
+    import logging
+
+    import ray.data
+
+    from st_fastbackend.corpus.on_ray import quiet_ray_data
+
+    context = ray.data.DataContext.get_current()
+    before = context.enable_progress_bars
+    try:
+        quiet_ray_data()
+        assert not context.enable_progress_bars
+        assert logging.getLogger("ray.data._internal.progress.logging_progress").getEffectiveLevel() > logging.INFO
+    finally:
+        context.enable_progress_bars = before

@@ -55,6 +55,7 @@ def test_model_check_returns_the_report(st_model):
     assert all(case.max_diff <= EXACT and case.one_minus_cos <= EXACT for case in report.cases)
     assert str(model[0].runtime) in report.ran and report.plain_seconds > 0 and report.fast_seconds > 0
     assert str(report).splitlines()[0] == report.verdict() and report.ran in str(report)
+    assert "cores over the last minute, this run included" in str(report)  # the load beside the speed ratio
     mine = model.check(texts=["one text of mine", "and another"])
     assert [(case.name, case.inputs) for case in mine.cases] == [("your texts", 2)] and mine.passed
     model.max_seq_length = 16  # changed after load: plain is loaded beside it with the same window
@@ -163,3 +164,15 @@ def test_check_sparse_and_multi_vector(tmp_path, kind, capsys, monkeypatch):
     with pytest.raises(SystemExit) as exited:
         main(["check", str(folder), "--device", DEVICE])
     assert exited.value.code == 1 and capsys.readouterr().out.startswith("NOT EXACT")
+
+
+def test_the_speed_ratio_says_when_the_machine_is_busy(monkeypatch):
+    """Issue 47: a loaded host showed "fast 0.76x plain"; the line beside the ratio says the load and, past one
+    runnable thread per core, that the ratio is distorted."""
+    from st_fastbackend.models.check import machine_load
+
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    monkeypatch.setattr("os.getloadavg", lambda: (1.5, 1.0, 1.0))
+    assert machine_load() == "load 1.5 on 2 cores over the last minute, this run included"
+    monkeypatch.setattr("os.getloadavg", lambda: (3.4, 1.0, 1.0))
+    assert machine_load().endswith(": busy, so the ratio is distorted; time it on a quiet machine")

@@ -52,3 +52,14 @@ def test_llama_index_adapter():
     a, b = ours.get_text_embedding_batch(DOCUMENTS), theirs.get_text_embedding_batch(DOCUMENTS)
     assert np.abs(np.array(a) - b).max() <= TOLERANCE
     assert np.abs(np.array(ours.get_query_embedding(QUERY)) - theirs.get_query_embedding(QUERY)).max() <= TOLERANCE
+
+
+def test_langchain_adapter_takes_a_path(st_model):
+    """Issue 47: a pathlib.Path for model_name was refused (its field is a str); a local folder is a folder."""
+    pytest.importorskip("langchain_huggingface")
+    from pathlib import Path
+
+    from st_fastbackend.integrations.langchain import FastBackendEmbeddings
+
+    embeddings = FastBackendEmbeddings(model_name=Path(st_model("bert", pooling_mode="mean")))
+    assert len(embeddings.embed_query(QUERY)) == 64

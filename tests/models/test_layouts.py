@@ -4,11 +4,14 @@ texts longer than every limit: all-MiniLM-L6-v2 with its files taken away or cha
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from helpers import TOLERANCE, load_both, max_diff, minilm_path
 from safetensors.torch import load_file, save_file
+
+from st_fastbackend import SentenceTransformer
 
 
 def _edit_json(path, **changes):
@@ -114,3 +117,13 @@ def test_every_layout_gets_plain_settings_and_numbers(minilm, tmp_path, layout):
     got = fast.encode(TEXTS, normalize_embeddings=True)
     tolerance = TOLERANCE if settings(plain)["dtype"] == torch.float32 else 2e-3  # fp16 products on both sides
     assert max_diff(got, expected) <= tolerance
+
+
+@pytest.mark.parametrize("name", ["./no-such-model", "~/no-such-model", "no/such/model"])
+def test_a_missing_local_folder_is_named(name):
+    """Issue 47: "./my-modle" reached the Hub as a repo id and failed naming a repo id's characters; a path (or a
+    pathlib.Path) that names no folder is said to be one, as the CLI says it."""
+    with pytest.raises(FileNotFoundError, match="not"):
+        SentenceTransformer(name, backend="fast")
+    with pytest.raises(FileNotFoundError, match="model folder no-such-model does not exist"):
+        SentenceTransformer(Path("no-such-model"), backend="fast")

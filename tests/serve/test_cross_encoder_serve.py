@@ -155,3 +155,18 @@ def test_cli_rerank_prints_and_writes_jsonl(folder, plain, tmp_path):
     raw = plain.rank(QUERY, DOCUMENTS[:10], top_k=3, activation_fn=torch.nn.Identity())
     assert [row["index"] for row in rows] == [r["corpus_id"] for r in raw]
     np.testing.assert_allclose([row["score"] for row in rows], [r["score"] for r in raw], atol=1e-5)
+
+
+def test_cli_rerank_takes_a_prompt_name(folder, tmp_path, capsys):
+    """Issue 47: `rerank` had --prompt but not encode's --prompt-name; a named prompt ranks as its text does."""
+    from st_fastbackend.cli import main
+
+    saved = tmp_path / "with-prompts"
+    sentence_transformers.CrossEncoder(str(folder), prompts={"query": "query: "}, device="cpu").save(str(saved))
+    docs = tmp_path / "docs.txt"
+    docs.write_text("\n".join(DOCUMENTS[:6]) + "\n")
+    printed = []
+    for prompt in (["--prompt-name", "query"], ["--prompt", "query: "]):
+        main(["rerank", str(saved), "--query", QUERY, "--input", str(docs), "--device", "cpu", *prompt])
+        printed.append(capsys.readouterr().out)
+    assert printed[0] == printed[1] and len(printed[0].splitlines()) == 6

@@ -184,6 +184,15 @@ def test_errors_in_tei_shape(client, path, body, status, error_type, fragment):
     assert set(error) == {"error", "error_type"} and error["error_type"] == error_type and fragment in error["error"]
 
 
+@pytest.mark.parametrize("path", ["/tokenize", "/embed"])
+def test_a_form_body_is_told_to_send_json(client, path):
+    """curl -d without -H 'Content-Type: application/json' sends a form (issue 47): the error names the header."""
+    form = {**HEADERS, "Content-Type": "application/x-www-form-urlencoded"}
+    reply = client.post(path, content='{"inputs": "a"}', headers=form)
+    assert reply.status_code == 422, reply.text
+    assert "Content-Type: application/json (not application/x-www-form-urlencoded)" in reply.json()["error"]
+
+
 def test_embed_all_bounds_the_values_it_returns(client, monkeypatch):
     monkeypatch.setattr(tei, "MAX_TOKEN_VALUES", 64 * 100)  # hidden size 64: 100 tokens per request at most
     reply = client.post("/embed_all", json={"inputs": [" ".join(TEXTS)], "truncate": True}, headers=HEADERS)
