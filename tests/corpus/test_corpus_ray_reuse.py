@@ -1,6 +1,9 @@
 """`embed-corpus --ray` with content keys and --reuse, on a local Ray of 2 CPUs: only the first row of each text
 not embedded yet goes to the actors, the driver copies the others; an edited input reusing a local output equals a
-clean local run, the reused rows bit for bit; a Ray output is reused by a local job in turn."""
+clean local run, the reused rows bit for bit; a Ray output is reused by a local job in turn; a Ray reusing run cut
+off as a kill leaves it resumes."""
+
+import json
 
 import numpy as np
 import pytest
@@ -33,3 +36,31 @@ def test_ray_reuses_an_edited_input_and_is_reused(folder, texts, tmp_path, capsy
     assert manifest(tmp_path / "again")["texts"] == {"reused": len(after), "deduplicated": 0, "embedded": 0}
     assert output(tmp_path / "again").equals(got)
     assert np.array_equal(output(tmp_path / "again").column("content_key"), clean.column("content_key"))
+
+
+@pytest.mark.slow
+def test_a_ray_reusing_run_cut_off_resumes(folder, texts, tmp_path, capsys):
+    """The folder a SIGKILL leaves (complete shards, no manifest, a half-written temporary file; a shard's write is
+    atomic) after a Ray run with --reuse: the same command completes it, equal to the uninterrupted run, the rows
+    copied from the earlier output still bit for bit, and the counts those of the shards it kept and the ones it
+    wrote."""
+    edited(texts, tmp_path)
+    common = ("--model", folder, "--shard-rows", 7)
+    embed_corpus(tmp_path / "before.parquet", tmp_path / "previous", *common)
+    job = (tmp_path / "after.parquet", tmp_path / "out", *common, "--reuse", tmp_path / "previous", "--ray",
+           "--num-workers", 1)  # fmt: skip
+    embed_corpus(*job)
+    whole = output(tmp_path / "out")
+    shards = sorted((tmp_path / "out").glob("part-*.parquet"))
+    assert len(shards) > 2
+    for shard in shards[len(shards) // 2 :]:
+        shard.unlink()
+        shard.with_name(f".{shard.name}.json").unlink()
+    (tmp_path / "out" / "manifest.json").unlink()
+    (tmp_path / "out" / f".{shards[-1].name}.tmp").write_bytes(b"PAR1 half a shard")
+    embed_corpus(*job)
+    assert output(tmp_path / "out").equals(whole)
+    assert not list((tmp_path / "out").glob(".*.tmp"))
+    written = [json.loads(path.read_text()) for path in (tmp_path / "out").glob(".part-*.json")]
+    counts = {name: sum(record[name] for record in written) for name in ("reused", "deduplicated", "embedded")}
+    assert manifest(tmp_path / "out")["texts"] == counts == {"reused": 25, "deduplicated": 1, "embedded": 7}

@@ -187,6 +187,35 @@ def test_another_identity_or_a_corrupt_output_is_refused_by_name(folder, texts, 
         assert "was embedded with another model" in refused(capsys, *job, "--reuse", tmp_path / "half", "--ray")
 
 
+def test_an_output_written_before_content_keys_is_refused_by_name(folder, texts, tmp_path, capsys):
+    """A complete, intact output whose shards have no content_key column, as every output was before keys: refused
+    naming its first shard, not read as an output that holds none of the texts."""
+    write_parquet(tmp_path / "in.parquet", list(range(20)), texts[:20])
+    embed_corpus(tmp_path / "in.parquet", tmp_path / "previous", "--model", folder, "--shard-rows", 7)
+    without_keys(tmp_path / "previous")
+    job = [tmp_path / "in.parquet", tmp_path / "out", "--model", folder, "--shard-rows", 7]
+    first = sorted((tmp_path / "previous").glob("part-*.parquet"))[0].name
+    error = refused(capsys, *job, "--reuse", tmp_path / "previous")
+    assert f"--reuse {tmp_path / 'previous'}: {first} has no {KEY} column (written before content keys)" in error
+    assert not list((tmp_path / "out").glob("part-*.parquet"))
+
+
+def without_keys(out: Path) -> None:
+    """Each shard of a complete output rewritten without its content keys, its record and the manifest's listing
+    made to match: an intact output as written before keys."""
+    listing = json.loads((out / "manifest.json").read_text())
+    for entry in listing["shards"]:
+        shard = out / entry["name"]
+        table = pq.read_table(shard)
+        pq.write_table(table.drop_columns([KEY]), shard)
+        data = shard.read_bytes()
+        record_file = shard.with_name(f".{shard.name}.json")
+        record = json.loads(record_file.read_text()) | {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        record_file.write_text(json.dumps(record) + "\n")
+        entry.update(record)
+    (out / "manifest.json").write_text(json.dumps(listing))
+
+
 @pytest.mark.slow
 def test_a_reusing_run_killed_midway_resumes(folder, texts, tmp_path):
     """240 rows in shards of 3, the first 120 in the earlier output: killed once a shard exists, the rerun (with
