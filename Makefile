@@ -19,8 +19,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[test,eval]"
 	touch $@
 
+# make demo DATA_DIR=/path/to/data: the evaluation data's folder (else $ST_FASTBACKEND_DATA_DIR, else ../shared/data)
 demo: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) examples/demo.py
+	HF_HUB_OFFLINE=1 $(PY) examples/demo.py $(if $(DATA_DIR),--data-dir $(DATA_DIR))
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
