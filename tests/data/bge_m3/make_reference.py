@@ -84,6 +84,7 @@ def build() -> None:
     pooling = Pooling(transformer.get_embedding_dimension(), pooling_mode="cls")
     SentenceTransformer(modules=[transformer, pooling, Normalize()], device="cpu").save(str(MODEL))
     shutil.rmtree(HERE / "hf")
+    (MODEL / "README.md").unlink()  # sentence-transformers' generated model card: nothing the tests read
     _portable_tokenizer_config(MODEL / "tokenizer_config.json")
     sparse, colbert = torch.nn.Linear(64, 1), torch.nn.Linear(64, 64)
     with torch.no_grad():
