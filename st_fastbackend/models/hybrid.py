@@ -69,10 +69,27 @@ def load_heads(folder: Path, hidden: int) -> Heads:
     return Heads(sparse["weight"], sparse["bias"], colbert["weight"], colbert["bias"])
 
 
+def _served(asked: tuple[str, ...]):
+    """The server's rows of a pack (serve/batcher.py): per text the asked outputs' tuple, or the one asked alone."""
+
+    def rows(model: HybridEncoder, out: dict) -> list:
+        tokens = out["token_embeddings"]
+        heads = model.heads.to(tokens.device, tokens.dtype)  # two small tensors; a no-op where they already are
+        unused = torch.tensor(model.unused_ids, device=tokens.device)
+        found = _pack_rows(out, tokens, heads, unused, asked)
+        return found if len(asked) == 3 else [row[OUTPUTS.index(asked[0])] for row in found]
+
+    return rows
+
+
 class HybridEncoder(SentenceTransformer):
     """A SentenceTransformer (encode() is the plain dense output) with encode_all(): the three outputs of one pass."""
 
     output_kind = "hybrid"
+    # /v1/embeddings and /embed the dense vector, /embed_all the token embeddings, /embed_sparse the lexical weights,
+    # /embed_hybrid all three (serve/sparse.py).
+    served_rows = {**SentenceTransformer.served_rows, "sparse": _served(("sparse",)),
+                   "multi_vector": _served(("multi_vector",)), "hybrid": _served(OUTPUTS)}  # fmt: skip
     prompt_reuse = False  # the prompt's tokens are among the lexical weights and the vectors
 
     def __init__(self, *args, backend: str = "fast", **kwargs) -> None:
