@@ -15,12 +15,13 @@ class BGEM3FlagModel:
         self, model_name_or_path: str, normalize_embeddings: bool = True, use_fp16: bool = False,
         devices: str | None = None, batch_size: int = 256, passage_max_length: int = 512,
     ) -> None:  # fmt: skip
-        """FlagEmbedding's arguments that change numbers are refused unless they are its defaults' meaning."""
+        """FlagEmbedding's arguments; use_fp16 is False by default here (fp32 is the exact path) and, as in
+        FlagEmbedding, ignored on a CPU."""
         if not normalize_embeddings:
             raise ValueError(
                 "BGEM3FlagModel(normalize_embeddings=False): the fast face normalises, as the folder does"
             )
-        dtype = {"torch_dtype": torch.float16} if use_fp16 and devices not in (None, "cpu") else {}
+        dtype = {"dtype": torch.float16} if use_fp16 and devices not in (None, "cpu") else {}
         self.model = HybridEncoder(model_name_or_path, device=devices, model_kwargs=dtype)
         self.batch_size, self.passage_max_length = batch_size, passage_max_length
 
