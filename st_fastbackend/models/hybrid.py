@@ -52,13 +52,27 @@ class HybridOutput:
     multi_vector: list[np.ndarray] | None  # N x [n_i, D]
 
 
-def load_heads(folder: Path, hidden: int) -> Heads:
+def head_file(folder: Path, name: str, hub_id: str | None) -> Path:
+    """A head file of the folder; from the Hub where the model is a Hub id (the engine's snapshot holds only the files
+    modules/files.py's ENGINE_FILES names)."""
+    if not (folder / name).is_file() and hub_id is not None:
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import EntryNotFoundError
+
+        try:
+            return Path(hf_hub_download(hub_id, name))
+        except EntryNotFoundError:
+            pass
+    if not (folder / name).is_file():
+        raise UnsupportedModelError(f"A HybridEncoder folder without {name} ({hub_id or folder})")
+    return folder / name
+
+
+def load_heads(folder: Path, hidden: int, hub_id: str | None = None) -> Heads:
     """Both head files, strictly: a Linear's weight and bias each, of the shapes FlagEmbedding builds."""
     found = {}
     for kind, name in HEAD_FILES.items():
-        if not (folder / name).is_file():
-            raise UnsupportedModelError(f"A HybridEncoder folder without {name} ({folder})")
-        state = torch.load(folder / name, map_location="cpu", weights_only=True)
+        state = torch.load(head_file(folder, name, hub_id), map_location="cpu", weights_only=True)
         if set(state) != {"weight", "bias"} or state["weight"].shape[1:] != (hidden,):
             shapes = {k: tuple(v.shape) for k, v in state.items()}
             raise UnsupportedModelError(f"{name} holding {shapes} (expected a Linear from hidden size {hidden})")
@@ -97,7 +111,9 @@ class HybridEncoder(SentenceTransformer):
             raise ValueError(f'HybridEncoder is backend="fast" only, got backend={backend!r}: for the Hugging Face '
                              "implementation, use FlagEmbedding's BGEM3FlagModel.")  # fmt: skip
         super().__init__(*args, backend=backend, **kwargs)
-        self.heads = load_heads(Path(self.packed_input.folder), self.packed_input.get_embedding_dimension())
+        name = str(args[0] if args else kwargs.get("model_name_or_path"))
+        hub_id = None if Path(name).is_dir() else name
+        self.heads = load_heads(Path(self.packed_input.folder), self.packed_input.get_embedding_dimension(), hub_id)
         tokenizer = self.tokenizer
         special = (tokenizer.cls_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id)
         self.unused_ids = sorted({i for i in special if i is not None})
