@@ -116,3 +116,50 @@ def test_wrong_head_shape_is_named(tmp_path):
     torch.save(torch.nn.Linear(32, 1).state_dict(), tmp_path / "m" / "sparse_linear.pt")
     with pytest.raises(UnsupportedModelError, match=r"sparse_linear.pt holding .*backend=\"torch\""):
         HybridEncoder(str(tmp_path / "m"), device="cpu")
+
+
+def plain_bf16(reference: dict) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
+    """FlagEmbedding's rules on transformers' own XLM-RoBERTa in bf16, one text at a time: the dense vectors, the
+    lexical weights over the vocabulary, the ColBERT vectors."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(MODEL))
+    hf = transformers.AutoModel.from_pretrained(str(MODEL), dtype=torch.bfloat16).eval()
+    sparse, colbert = (
+        torch.load(MODEL / name, weights_only=True) for name in ("sparse_linear.pt", "colbert_linear.pt")
+    )
+    unused = [tokenizer.cls_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id]
+    dense, lexical, vectors = [], [], []
+    with torch.inference_mode():
+        for text in TEXTS:
+            ids = tokenizer(text, truncation=True, max_length=64, return_tensors="pt")["input_ids"]
+            hidden = hf(input_ids=ids).last_hidden_state[0]  # [n, H] bf16
+            dense.append(torch.nn.functional.normalize(hidden[0].float(), dim=-1).numpy())
+            weights = torch.relu(hidden @ sparse["weight"].bfloat16().T + sparse["bias"].bfloat16()).float()[:, 0]
+            row = torch.zeros(len(tokenizer)).scatter_reduce(0, ids[0], weights, "amax")
+            row[unused] = 0
+            lexical.append(row.numpy())
+            found = hidden[1:] @ colbert["weight"].bfloat16().T + colbert["bias"].bfloat16()
+            vectors.append(torch.nn.functional.normalize(found.float(), dim=-1).numpy())
+    return np.stack(dense), lexical, vectors
+
+
+def as_vocabulary(weights: dict, size: int) -> np.ndarray:
+    row = np.zeros(size, np.float32)
+    row[list(weights)] = list(weights.values())
+    return row
+
+
+@pytest.mark.slow
+def test_bf16_error_within_three_times_plain(reference):
+    """Each output's bf16 error against FlagEmbedding's fp32 one at most ~3x that of transformers' own bf16 model."""
+    ours = HybridEncoder(str(MODEL), device="cpu", model_kwargs={"dtype": torch.bfloat16}).encode_all(TEXTS)
+    dense, lexical, vectors = plain_bf16(reference)
+    size = len(lexical[0])
+    assert np.abs(ours.dense - reference["dense"]).max() <= 3 * np.abs(dense - reference["dense"]).max()
+    exact = np.stack([as_vocabulary(w, size) for w in reference["lexical"]])
+    found = np.stack([as_vocabulary(w, size) for w in ours.lexical_weights])
+    assert np.abs(found - exact).max() <= 3 * np.abs(np.stack(lexical) - exact).max()
+    theirs = max(np.abs(v - r).max() for v, r in zip(vectors, reference["colbert"], strict=True))
+    assert max(np.abs(v - r).max() for v, r in zip(ours.multi_vector, reference["colbert"], strict=True)) <= 3 * theirs
+    assert theirs > 0  # bf16 differs from fp32: the bound is not vacuous
