@@ -102,6 +102,9 @@ def test_flagembedding_face(reference):
     assert np.abs(np.array(colbert) - reference["colbert_scores"]).max() < 1e-5
     only_dense = flag.encode(TEXTS[:2])
     assert only_dense["lexical_weights"] is None and only_dense["colbert_vecs"] is None
+    one = flag.encode(TEXTS[2], return_sparse=True, max_length=5)  # a string gives one row; cut at 5 tokens
+    assert one["dense_vecs"].shape == (64,) and len(one["lexical_weights"]) <= 3
+    assert flag.model.max_seq_length == 64  # the folder's own limit is back after the call
 
 
 def test_missing_head_is_named(tmp_path):
