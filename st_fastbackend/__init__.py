@@ -13,12 +13,14 @@ if TYPE_CHECKING:
     from st_fastbackend.models import SentenceTransformer
     from st_fastbackend.models.chunking import Chunking
     from st_fastbackend.models.cross_encoder import CrossEncoder
+    from st_fastbackend.models.hybrid import HybridEncoder
     from st_fastbackend.models.multi_vector_encoder import MultiVectorEncoder
     from st_fastbackend.models.sparse_encoder import SparseEncoder
 
 __all__ = [
     "Chunking",
     "CrossEncoder",
+    "HybridEncoder",
     "MultiVectorEncoder",
     "SentenceTransformer",
     "SparseEncoder",
@@ -34,6 +36,7 @@ _HOMES = {
     "CrossEncoder": "st_fastbackend.models.cross_encoder",
     "SparseEncoder": "st_fastbackend.models.sparse_encoder",
     "MultiVectorEncoder": "st_fastbackend.models.multi_vector_encoder",
+    "HybridEncoder": "st_fastbackend.models.hybrid",
     "Chunking": "st_fastbackend.models.chunking",
     "UnsupportedModelError": "st_fastbackend.engine.spec",
 }

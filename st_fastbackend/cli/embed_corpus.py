@@ -19,6 +19,7 @@ from st_fastbackend.cli.options import (
     describe,
     dtype_name,
     first_line,
+    has_hybrid_heads,
     load_model,
     model_kwargs,
     positive,
@@ -58,6 +59,9 @@ def add_embed_corpus(commands, formatter_class) -> None:
     corpus.add_argument("--skip-duplicate-ids", action="store_true",
                         help="list every row whose id other rows have too in rejects.parquet (none of them embedded), "
                              "not stop")  # fmt: skip
+    corpus.add_argument("--outputs", type=_outputs, default=("dense",), metavar="dense,sparse,multi_vector",
+                        help="a BGE-M3 folder's outputs (sparse_linear.pt and colbert_linear.pt beside it), one pass: "
+                             "embedding, indices/values, multi_vector columns (default: dense)")  # fmt: skip
     chunks = corpus.add_argument_group("long documents: chunks instead of truncation (docs/long-documents.md)")
     chunks.add_argument(
         "--chunk-tokens",
@@ -140,15 +144,29 @@ def _row_index(args: argparse.Namespace, folder):
     return index
 
 
+def _outputs(value: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in value.split(","))
+    if not names or not set(names) <= {"dense", "sparse", "multi_vector"} or len(set(names)) < len(names):
+        raise argparse.ArgumentTypeError(f"{value!r}: a comma-separated subset of dense, sparse, multi_vector")
+    return tuple(name for name in ("dense", "sparse", "multi_vector") if name in names)
+
+
 def _output_kind(args: argparse.Namespace):
     """The rows the model's class gives (output.py's OUTPUT_KINDS), read from its folder before it loads; what the
     job cannot do with a sparse or multi-vector model is refused now."""
-    from st_fastbackend.corpus.output import DENSE, OUTPUT_KINDS
+    from st_fastbackend.corpus.output import DENSE, OUTPUT_KINDS, hybrid_kind
 
     model_class = saved_model_type(args.model) or "SentenceTransformer"
     if model_class not in OUTPUT_KINDS:
         raise CliError(f"{args.model} is a {model_class}; embed-corpus takes {', '.join(OUTPUT_KINDS)} models")
     kind = OUTPUT_KINDS[model_class]
+    if args.outputs != ("dense",):
+        if model_class != "SentenceTransformer" or not has_hybrid_heads(args.model):
+            raise CliError(f"--outputs {','.join(args.outputs)} needs a BGE-M3 folder (sparse_linear.pt and "
+                           f"colbert_linear.pt beside a SentenceTransformer); {args.model} is not one")  # fmt: skip
+        if args.prompt is not None or args.prompt_name is not None:
+            raise CliError("--outputs other than dense embeds documents as BGE-M3 does, without a prompt")
+        model_class, kind = "HybridEncoder", hybrid_kind(args.outputs)
     if kind == DENSE:
         return kind
     if args.ray:
@@ -203,9 +221,10 @@ def _run_local(args, scan, folder, done, index) -> None:
     from st_fastbackend.corpus.output import OUTPUT_KINDS
     from st_fastbackend.models.chunking import Chunking
 
-    model = load_model(args, kinds=tuple(OUTPUT_KINDS))
+    model = load_model(args, kinds=(*OUTPUT_KINDS, *(["HybridEncoder"] if args.outputs != ("dense",) else [])))
     try:
         embed = embedder_for(model, prompt=args.prompt, prompt_name=args.prompt_name, batch_size=args.batch_size,
+                             outputs=args.outputs,
                              max_tokens_per_batch=args.max_tokens_per_batch,
                              chunking=Chunking(**args.chunking) if args.chunking else None)  # fmt: skip
     except ValueError as error:  # an unknown prompt name

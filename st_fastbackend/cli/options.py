@@ -58,7 +58,8 @@ def model_kwargs(args: argparse.Namespace) -> dict:
 
 # The model classes the embedding commands load (by the name config_sentence_transformers.json gives); a
 # CrossEncoder is cli/rerank.py's.
-EMBEDDING_KINDS = ("SentenceTransformer", "SparseEncoder", "MultiVectorEncoder")
+EMBEDDING_KINDS = ("SentenceTransformer", "SparseEncoder", "MultiVectorEncoder", "HybridEncoder")
+HYBRID_HEADS = ("sparse_linear.pt", "colbert_linear.pt")  # BGE-M3's heads beside a SentenceTransformer folder
 
 
 def load_model(args: argparse.Namespace, backend: str = "fast", kinds: tuple[str, ...] = ("SentenceTransformer",)):
@@ -71,6 +72,8 @@ def load_model(args: argparse.Namespace, backend: str = "fast", kinds: tuple[str
     import st_fastbackend
 
     kind = saved_model_type(args.model) or "SentenceTransformer"
+    if kind == "SentenceTransformer" and "HybridEncoder" in kinds and has_hybrid_heads(args.model):
+        kind = "HybridEncoder"
     if kind not in kinds:
         raise CliError(f"{args.model} is a {kind}; this command takes {' or '.join(kinds)} models")
     if args.matmul_precision:
@@ -93,6 +96,11 @@ def saved_model_type(name: str) -> str | None:
     except (OSError, ValueError, AttributeError):
         return None
     return found if isinstance(found, str) else None
+
+
+def has_hybrid_heads(name: str) -> bool:
+    """A local folder that carries BGE-M3's lexical and ColBERT heads (models/hybrid.py)."""
+    return all((Path(name).expanduser() / head).is_file() for head in HYBRID_HEADS)
 
 
 def check_model(name: str) -> None:

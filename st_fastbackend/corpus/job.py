@@ -15,7 +15,7 @@ import pyarrow as pa
 import torch
 from tqdm.auto import tqdm
 
-from st_fastbackend.corpus.output import MultiVectorRows, OutputFolder, SparseRows, new_run_name
+from st_fastbackend.corpus.output import HybridRows, MultiVectorRows, OutputFolder, SparseRows, new_run_name
 from st_fastbackend.corpus.read import (
     Columns,
     CorpusError,
@@ -128,10 +128,37 @@ class DocumentEmbedder:
         return document_rows(found), np.array([len(ids) for ids in tokens], np.int64)
 
 
-def embedder_for(model, *, chunking: Chunking | None = None, **options) -> TextEmbedder | DocumentEmbedder:
-    """The embedder of the model's class (options: prompt, prompt_name, batch_size, max_tokens_per_batch): a dense
-    model's, else a document encoder's (the command refuses other kinds before the model loads)."""
-    if getattr(model, "output_kind", "dense") != "dense":
+class HybridEmbedder:
+    """Texts -> a HybridEncoder's rows of the outputs asked for (encode_all, one pass), and each text's tokens."""
+
+    chunking = None  # the command refuses --chunk-tokens for these
+    prompt = None  # BGE-M3 embeds documents without one (the command refuses --prompt)
+
+    def __init__(self, model, outputs: tuple[str, ...], *, batch_size: int = 32,
+                 max_tokens_per_batch: int | None = None) -> None:  # fmt: skip
+        model.eval()
+        self.model, self.outputs, self.batch_size = model, outputs, batch_size
+        self.dimension = model.get_embedding_dimension()
+        self.max_tokens = max_tokens_per_batch or model.max_tokens_per_batch
+
+    @torch.inference_mode()
+    def __call__(self, texts: list[str]) -> tuple[HybridRows, np.ndarray]:
+        tokens = self.model.packed_input.texts.encode(texts, None)  # first: a text without tokens
+        asked = {name: name in self.outputs for name in ("dense", "sparse", "multi_vector")}
+        found = self.model.encode_all(texts, **asked, batch_size=self.batch_size, max_tokens_per_batch=self.max_tokens)
+        sparse = None if found.sparse is None else sparse_rows(found.sparse)
+        vectors = found.multi_vector and multi_vector_rows([torch.from_numpy(v) for v in found.multi_vector])
+        return HybridRows(found.dense, sparse, vectors), np.array([len(ids) for ids in tokens], np.int64)
+
+
+def embedder_for(model, *, chunking: Chunking | None = None, outputs: tuple[str, ...] = ("dense",),
+                 **options) -> TextEmbedder | DocumentEmbedder | HybridEmbedder:  # fmt: skip
+    """The embedder of the model's class (options: prompt, prompt_name, batch_size, max_tokens_per_batch); a
+    HybridEncoder's for `outputs` other than the dense vector alone (which any SentenceTransformer gives)."""
+    if outputs != ("dense",):
+        options = {k: v for k, v in options.items() if k in ("batch_size", "max_tokens_per_batch")}
+        return HybridEmbedder(model, outputs, **options)
+    if callable(getattr(model, "document_tokens", None)):  # a document encoder: a SparseEncoder, a MultiVectorEncoder
         return DocumentEmbedder(model, **options)
     return TextEmbedder(model, chunking=chunking, **options)
 

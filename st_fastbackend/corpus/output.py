@@ -118,6 +118,37 @@ OUTPUT_KINDS = {
 }
 
 
+@dataclass(frozen=True)
+class HybridRows:
+    """A HybridEncoder's rows (BGE-M3): those of the outputs asked for, the others None."""
+
+    dense: np.ndarray | None
+    sparse: SparseRows | None
+    multi_vector: MultiVectorRows | None
+
+
+HYBRID_COLUMNS = {"dense": ("embedding",), "sparse": ("indices", "values"), "multi_vector": ("multi_vector",)}
+
+
+def hybrid_kind(outputs: tuple[str, ...]) -> OutputKind:
+    """The columns of the outputs asked for, in one row per document: `embedding` (dense), `indices` and `values`
+    (lexical weights), `multi_vector` (ColBERT vectors); the dimension recorded is the dense one, else ColBERT's."""
+
+    def write(rows: HybridRows, dtype: type) -> tuple[dict[str, pa.Array], int]:
+        columns, dimensions = {}, []
+        if rows.dense is not None:
+            found, dimension = dense_columns(rows.dense, dtype)
+            columns.update(found), dimensions.append(dimension)
+        if rows.sparse is not None:
+            columns.update(sparse_columns(rows.sparse, dtype)[0])
+        if rows.multi_vector is not None:
+            found, dimension = multi_vector_columns(rows.multi_vector, dtype)
+            columns["multi_vector"], _ = found["embedding"], dimensions.append(dimension)
+        return columns, dimensions[0] if dimensions else rows.sparse.dimension
+
+    return OutputKind("hybrid", tuple(c for name in outputs for c in HYBRID_COLUMNS[name]), write)
+
+
 def texts_counts(shards: list[dict]) -> dict:
     """The input rows the shards hold: copied from an earlier output, repeated in the same run, embedded (a shard
     written without these counts, by --ray or before them, embedded all of its rows)."""

@@ -210,10 +210,7 @@ class FastModel:
         """A pack's rows for the server: the class's one row rule (pack_rows) under served_options, a float32 tensor
         per text, on the host."""
         rows, counts = self.pack_rows(None, self.served_options(output)).rows(out)
-        if isinstance(rows, list):  # already one per text
-            return [row.float().cpu() for row in rows]
-        rows = rows.float().cpu()
-        return list(rows) if counts is None else list(rows.split(counts))
+        return host_rows(rows, counts)
 
     def served_kwargs(self) -> dict[str, Any]:
         """What the server's forward passes take besides the pack, as encode() gives the modules by default."""
@@ -311,6 +308,30 @@ class FastModel:
     @fast_method
     def get_model_kwargs(self) -> list[str]:
         return [*super().get_model_kwargs(), "max_tokens_per_batch"]
+
+
+def host_rows(rows: Any, counts: list[int] | None) -> list:
+    """A row rule's rows of one pack, one per text on the host, floats as float32: a tensor's rows (split by `counts`
+    where a text has several), a sparse tensor's rows as (active dimensions, their values), a list's items as they
+    are (a tuple's parts each)."""
+    if isinstance(rows, list):
+        return [_on_host(row) for row in rows]
+    if rows.is_sparse:
+        found = rows.coalesce().cpu()  # indices sorted by (row, dimension)
+        text_of, dimensions = found.indices()
+        starts = torch.searchsorted(text_of, torch.arange(found.shape[0] + 1)).tolist()
+        values = found.values().float()
+        return [(dimensions[a:b], values[a:b]) for a, b in zip(starts[:-1], starts[1:], strict=True)]
+    rows = rows.float().cpu()
+    return list(rows) if counts is None else list(rows.split(counts))
+
+
+def _on_host(row: Any) -> Any:
+    if isinstance(row, tuple):
+        return tuple(_on_host(part) for part in row)
+    if row is None:
+        return None
+    return row.float().cpu() if row.is_floating_point() else row.cpu()
 
 
 def text_tokens(texts: TextTokenizer, prompt: str | None) -> Tokenize:

@@ -46,7 +46,7 @@ class PackedSparseInput(PackedTransformer):
 
 class SparseEncoder(FastModel, sentence_transformers.SparseEncoder):
     output_kind = "sparse"
-    served_outputs = ("sparse",)  # per text its [vocab] row: the route sends its active dimensions
+    served_outputs = ("sparse",)  # per text its active dimensions and their values
     fast_modules = {Transformer: PackedSparseInput, MLMTransformer: PackedMaskedLM, Pooling: PackedPooling,
                     SpladePooling: PackedSpladePooling}  # fmt: skip
     prompt_reuse = False  # engine/prefix.py is for causal decoders; SPLADE and CSR sit on encoders
@@ -113,7 +113,7 @@ class SparseEncoder(FastModel, sentence_transformers.SparseEncoder):
 
     def served_options(self, output: str) -> dict:
         """The model's max_active_dims kept, as encode() keeps them."""
-        return {"convert_to_sparse_tensor": False, "save_to_cpu": False, "max_active_dims": self.max_active_dims}
+        return {"convert_to_sparse_tensor": True, "save_to_cpu": False, "max_active_dims": self.max_active_dims}
 
     def served_kwargs(self) -> dict:
         """Its max_active_dims, a SparseAutoEncoder's k, as encode() passes it."""

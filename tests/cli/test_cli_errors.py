@@ -114,6 +114,7 @@ def test_library_names_still_import():
     from st_fastbackend import (
         Chunking,
         CrossEncoder,
+        HybridEncoder,
         MultiVectorEncoder,
         SentenceTransformer,
         SparseEncoder,
@@ -124,8 +125,9 @@ def test_library_names_still_import():
     assert CrossEncoder.__module__ == "st_fastbackend.models.cross_encoder" and Chunking.__name__ == "Chunking"
     assert SparseEncoder.__module__ == "st_fastbackend.models.sparse_encoder"
     assert MultiVectorEncoder.__module__ == "st_fastbackend.models.multi_vector_encoder"
+    assert HybridEncoder.__module__ == "st_fastbackend.models.hybrid"
     assert issubclass(UnsupportedModelError, Exception)
-    classes = {"SentenceTransformer", "CrossEncoder", "SparseEncoder", "MultiVectorEncoder"}
+    classes = {"SentenceTransformer", "CrossEncoder", "SparseEncoder", "MultiVectorEncoder", "HybridEncoder"}
     assert set(st_fastbackend.__all__) == classes | {"Chunking", "UnsupportedModelError"}
     with pytest.raises(AttributeError):
         st_fastbackend.nothing  # noqa: B018
