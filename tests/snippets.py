@@ -74,6 +74,8 @@ HUB = {
     "BAAI/bge-reranker-base": lambda folder: build_cross_encoder(folder / "st", "xlm-roberta"),
     "naver/splade-v3": lambda folder: build_splade(folder, "bert"),
     "lightonai/colbertv2.0": lambda folder: build_colbert(folder, "bert"),
+    # the tiny bge-m3-shaped folder with both heads that tests/models/test_hybrid.py compares with FlagEmbedding
+    "BAAI/bge-m3": lambda folder: shutil.copytree(ROOT / "tests" / "data" / "bge_m3" / "model", folder),
 }
 # Local folders the snippets name, as paths relative to where they run
 LOCAL = {"e5-base-v2": "intfloat/e5-base-v2", "my-model": "sentence-transformers/all-MiniLM-L6-v2",
@@ -105,5 +107,6 @@ def fill_workdir(workdir: Path, folders: dict[str, Path]) -> None:
         (workdir / name).mkdir()
         table = pa.table({"id": [texts.index(t) for t in rows], "text": rows})
         pq.write_table(table, workdir / name / "part-0.parquet")
+    pq.write_table(pa.table({"id": list(range(len(texts))), "text": texts}), workdir / "docs.parquet")
     for name, hub_id in LOCAL.items():
         shutil.copytree(folders[hub_id], workdir / name)

@@ -90,17 +90,32 @@ def load_model(args: argparse.Namespace, backend: str = "fast", kinds: tuple[str
 
 def saved_model_type(name: str) -> str | None:
     """The model class a folder was saved from (its config_sentence_transformers.json "model_type"), if it says."""
-    path = Path(name).expanduser() / "config_sentence_transformers.json"
+    path = model_file(name, "config_sentence_transformers.json")
     try:
-        found = json.loads(path.read_text(encoding="utf8")).get("model_type")
+        found = json.loads(path.read_text(encoding="utf8")).get("model_type") if path else None
     except (OSError, ValueError, AttributeError):
         return None
     return found if isinstance(found, str) else None
 
 
 def has_hybrid_heads(name: str) -> bool:
-    """A local folder that carries BGE-M3's lexical and ColBERT heads (models/hybrid.py)."""
-    return all((Path(name).expanduser() / head).is_file() for head in HYBRID_HEADS)
+    """A model that carries BGE-M3's lexical and ColBERT heads (models/hybrid.py)."""
+    return all(model_file(name, head) is not None for head in HYBRID_HEADS)
+
+
+def model_file(name: str, filename: str) -> Path | None:
+    """A file of the model: in its local folder, or for a Hub id in the local Hugging Face cache (what is not
+    downloaded yet is not known before the model loads), else None."""
+    path = Path(name).expanduser()
+    if path.is_dir() or name.startswith((".", "/", "~")):
+        return path / filename if (path / filename).is_file() else None
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(name, filename)
+    except ValueError:  # not a valid repo id
+        return None
+    return Path(found) if isinstance(found, str) else None
 
 
 def check_model(name: str) -> None:
