@@ -27,6 +27,7 @@ from st_fastbackend.corpus.read import (
 )
 from st_fastbackend.corpus.reuse import RowIndex, content_keys, numbers_identity, shard_table
 from st_fastbackend.embedder import DOCUMENT_PROMPTS, Embedder
+from st_fastbackend.engine.schedule import texts_per_pack
 from st_fastbackend.models.chunked import aggregate, pipeline_normalizes
 from st_fastbackend.models.chunking import Chunking
 from st_fastbackend.modules.tokenizer import NoTokensError
@@ -55,7 +56,9 @@ class TextEmbedder:
         options = {"output_value": "sentence_embedding", "save_to_cpu": False, "truncate_dim": None,
                    "normalize_embeddings": self.normalize}  # fmt: skip
         rule = self.model.pack_rows(self.prompt, options)  # the class's row rule, as encode() runs it
-        schedule = self.embedder.schedule(self.prompt, self.batch_size, self.max_tokens)
+        schedule = self.embedder.schedule(
+            self.prompt, texts_per_pack(self.batch_size, self.model.device), self.max_tokens
+        )
         for picked, out in schedule.run(sequences):
             rows[picked] = rule.rows(out)[0].float().cpu().numpy()
         self.max_tokens = schedule.max_tokens

@@ -18,6 +18,16 @@ from st_fastbackend.engine.spec import mlp_width
 # in the tens of MiB for small models. A GPU sizes it from its free memory, never below MIN_GPU_TOKENS.
 CPU_TOKENS = 8192
 MIN_GPU_TOKENS = 8192
+# Texts a CPU pack may hold whatever the caller's batch_size: as many as the token budget takes. Each pack costs a
+# fixed part besides its tokens, which short texts at batch_size=32 feel; results do not depend on the pack
+# (eval/RESULTS.md, "2026-12-05 07:08 — short texts").
+CPU_PACK_TEXTS = 4096
+
+
+def texts_per_pack(batch_size: int, device: torch.device) -> int:
+    """How many texts a pack of encode() (or the corpus job) may hold: on a CPU, as many as the token budget takes
+    (batch_size is not a cap there); elsewhere batch_size, as plain sentence-transformers."""
+    return max(batch_size, CPU_PACK_TEXTS) if device.type == "cpu" else batch_size
 
 
 class Schedule:

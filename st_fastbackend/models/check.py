@@ -213,4 +213,3 @@ def machine_load() -> str:
     load, cores = os.getloadavg()[0], os.cpu_count() or 1
     note = f"load {load:.1f} on {cores} cores over the last minute, this run included"
     return note + (": busy, so the ratio is distorted; time it on a quiet machine" if load > cores else "")
-

@@ -28,7 +28,7 @@ from tqdm.autonotebook import tqdm
 
 from st_fastbackend.engine.batch import Tokens
 from st_fastbackend.engine.prefix import Prefix
-from st_fastbackend.engine.schedule import Schedule, default_max_tokens
+from st_fastbackend.engine.schedule import Schedule, default_max_tokens, texts_per_pack
 from st_fastbackend.engine.spec import UnsupportedModelError
 from st_fastbackend.models.host_rows import HostRows
 from st_fastbackend.modules import PackedTransformer, check_texts
@@ -256,13 +256,14 @@ class FastModel:
         module_kwargs: Mapping[str, Any] | None = None,
     ) -> Iterator[tuple[list[int], dict]]:  # fmt: skip
         """The one loop of every class: inputs tokenized a chunk at a time in a background thread, sorted by token
-        length within the chunk, packed into batches of at most `batch_size` inputs and `max_tokens` tokens (one
+        length within the chunk, packed into batches of at most `batch_size` inputs (on a CPU: as many as the token
+        budget takes, engine/schedule.py texts_per_pack) and `max_tokens` tokens (one
         schedule for the call: it keeps a budget learned from running out of memory); yields (the inputs'
         positions in `inputs`, the modules' outputs for them). `shared_prefix`: the tokens a chunk's sequences
         share at their start, to compute once (engine/prefix.py), in place of the prompt's. In inference mode,
         whoever calls it. `module_kwargs`: what the modules take besides the features (a task)."""
         self.eval()
-        schedule = Schedule(self, prompt, device, batch_size, max_tokens, module_kwargs)
+        schedule = Schedule(self, prompt, device, texts_per_pack(batch_size, device), max_tokens, module_kwargs)
         with torch.inference_mode(), tqdm(total=len(inputs), desc="Texts", disable=not show_progress_bar) as progress:
             for chunk, sequences in _tokenized_chunks(tokenize, inputs):
                 if shared_prefix is not None:

@@ -35,6 +35,23 @@ def record_batches(model):
     return seen, handle
 
 
+def test_cpu_packs_fill_the_token_budget_whatever_batch_size(model, texts):
+    """On a CPU batch_size does not cap a pack (each pack's fixed cost tells on short texts); the token budget does.
+    Elsewhere a pack holds at most batch_size texts, as in plain sentence-transformers. The numbers are the same."""
+    reference = model.encode(texts, batch_size=len(texts))
+    seen, handle = record_batches(model)
+    try:
+        out = model.encode(texts, batch_size=2)
+    finally:
+        handle.remove()
+    np.testing.assert_allclose(out, reference, atol=1e-5, rtol=0)
+    widest = max(len(lengths) for lengths in seen)
+    assert widest > 2 if model.device.type == "cpu" else widest <= 2
+    assert schedule.texts_per_pack(2, torch.device("cpu")) == schedule.CPU_PACK_TEXTS
+    assert schedule.texts_per_pack(2, torch.device("cuda")) == 2
+    assert schedule.texts_per_pack(10_000, torch.device("cpu")) == 10_000
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("budget, batch_size", [(64, 32), (300, 4), (100_000, 1000)])
 def test_encode_respects_the_budget_and_keeps_order(model, texts, monkeypatch, budget, batch_size):
@@ -48,7 +65,7 @@ def test_encode_respects_the_budget_and_keeps_order(model, texts, monkeypatch, b
     np.testing.assert_allclose(out, reference, atol=1e-5, rtol=0)
     assert sum(len(lengths) for lengths in seen) == len(texts)
     for lengths in seen:
-        assert len(lengths) <= batch_size
+        assert len(lengths) <= schedule.texts_per_pack(batch_size, model.device)
         assert sum(lengths) <= budget or len(lengths) == 1
         assert list(lengths) == sorted(lengths, reverse=True)  # sorted by token length within a chunk
 
