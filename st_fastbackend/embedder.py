@@ -34,9 +34,12 @@ class Embedder:
         self.device: torch.device = model.device
         self.prompts: dict[str, str] = dict(model.prompts)
         self.kind: str = model.output_kind
+        # A document encoder (SparseEncoder, MultiVectorEncoder: it declares document_tokens) is served as
+        # encode_document() encodes; any other as encode().
+        self.documents: bool = callable(getattr(model, "document_tokens", None))
         self.outputs: tuple[str, ...] = model.served_outputs  # the outputs routes ask for, the first its main one
         self.forward_kwargs: dict = model.served_kwargs()
-        self.token_dimension: int = packed.get_embedding_dimension() if self.kind == "dense" else self.dimension
+        self.token_dimension: int = self.dimension if self.documents else packed.get_embedding_dimension()
         self.document_length: int | None = getattr(packed, "document_length", None)  # a MultiVectorEncoder's
 
     def describe(self) -> dict:
@@ -65,7 +68,7 @@ class Embedder:
         """As encode() resolves it: `prompt`, else the model's prompt named `prompt_name`, else the model's
         default prompt; None for none. ValueError for an unknown name. A sparse or multi-vector model is served
         as encode_document() encodes: without either, its first of DOCUMENT_PROMPTS."""
-        if prompt is None and prompt_name is None and self.kind != "dense":
+        if prompt is None and prompt_name is None and self.documents:
             prompt_name = next((name for name in DOCUMENT_PROMPTS if name in self.prompts), None)
         return self._model._resolve_prompt(prompt, prompt_name) or None
 

@@ -38,7 +38,12 @@ def add_embed_corpus(commands, formatter_class) -> None:
     corpus.add_argument("--text-column", default="text", help="the column to embed")
     corpus.add_argument("--id-column", default="id", help="the column written beside each embedding")
     add_prompt_options(corpus, "passage: ", "document")
-    corpus.add_argument("--batch-size", type=positive, default=32, help="texts per packed batch at most")
+    corpus.add_argument(
+        "--batch-size",
+        type=positive,
+        default=32,
+        help="texts per packed batch at most (a GPU; a CPU: the token budget)",
+    )
     corpus.add_argument("--max-tokens-per-batch", type=positive, default=None,
                         help="tokens per packed batch; default: the model's, by device")  # fmt: skip
     corpus.add_argument("--dtype", type=dtype_name, default=None, metavar="{float32,bfloat16,float16,auto}",

@@ -18,7 +18,9 @@ def add_encode(encode: argparse.ArgumentParser) -> None:
     encode.add_argument("--backend", default="fast", choices=["fast", "torch", "onnx", "openvino"],
                         help="fast: the packed backend; the others: plain sentence-transformers")  # fmt: skip
     add_prompt_options(encode, "query: ", "query")
-    encode.add_argument("--batch-size", type=int, default=32, help="texts per batch at most")
+    encode.add_argument(
+        "--batch-size", type=int, default=32, help="texts per batch at most (a GPU; a CPU: the token budget)"
+    )
     encode.add_argument("--max-tokens-per-batch", type=positive, default=None,
                         help="tokens per packed batch (--backend fast); default: the model's, by device")  # fmt: skip
     encode.add_argument("--truncate-dim", type=positive, default=None, help="keep the first N dimensions")

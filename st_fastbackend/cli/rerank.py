@@ -22,7 +22,9 @@ def add_rerank(rerank: argparse.ArgumentParser) -> None:
     rerank.add_argument("--top-k", type=positive, default=None, help="keep the best K documents")
     rerank.add_argument("--raw-scores", action="store_true", help="logits, without the model's activation")
     add_prompt_options(rerank, "Instruct: find the passage that answers the question. Query: ", "query")
-    rerank.add_argument("--batch-size", type=int, default=32, help="pairs per batch at most")
+    rerank.add_argument(
+        "--batch-size", type=int, default=32, help="pairs per batch at most (a GPU; a CPU: the token budget)"
+    )
     rerank.add_argument("--max-tokens-per-batch", type=positive, default=None,
                         help="tokens per packed batch (--backend fast); default: the model's, by device")  # fmt: skip
 

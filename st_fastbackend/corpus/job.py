@@ -54,13 +54,16 @@ class TextEmbedder:
         sequences = self.embedder.tokenize(texts, self.prompt)
         rows = np.empty((len(texts), self.dimension), np.float32)
         options = {"output_value": "sentence_embedding", "save_to_cpu": False, "truncate_dim": None,
-                   "normalize_embeddings": self.normalize}  # fmt: skip
+                   "normalize_embeddings": False}  # fmt: skip
         rule = self.model.pack_rows(self.prompt, options)  # the class's row rule, as encode() runs it
         schedule = self.embedder.schedule(
             self.prompt, texts_per_pack(self.batch_size, self.model.device), self.max_tokens
         )
         for picked, out in schedule.run(sequences):
-            rows[picked] = rule.rows(out)[0].float().cpu().numpy()
+            embeddings = rule.rows(out)[0].float()
+            if self.normalize:  # in fp32, whatever the model's dtype
+                embeddings = torch.nn.functional.normalize(embeddings, p=2, dim=1)
+            rows[picked] = embeddings.cpu().numpy()
         self.max_tokens = schedule.max_tokens
         return rows, np.array([len(ids) for ids in sequences], np.int64)
 

@@ -78,7 +78,10 @@ class PackedBatch:
     def from_tokens(cls, sequences: Sequence[Tokens], position_offset: int = 0) -> PackedBatch:
         """Pack `Tokens` records: their ids, their token types where they have them, their attended counts where
         any has one."""
-        types = [s.token_types for s in sequences] if sequences and sequences[0].token_types is not None else None
+        typed = {s.token_types is not None for s in sequences}
+        if len(typed) > 1:
+            raise ValueError("A pack of sequences some with token types and some without.")
+        types = [s.token_types for s in sequences] if typed == {True} else None
         batch = cls.from_sequences([s.ids for s in sequences], position_offset, types)
         if any(s.attended is not None for s in sequences):
             batch = batch.with_attended([len(s) if s.attended is None else s.attended for s in sequences])

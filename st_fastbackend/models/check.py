@@ -160,7 +160,8 @@ def _with_plain(model, probing: Probing, cases, dtype, warm_up=False) -> tuple[l
     model_kwargs = {k: v for k, v in (kwargs.get("model_kwargs") or {}).items()
                     if k not in ("quantize", "device_map", "torch_dtype")}  # fmt: skip
     with _exact_fp32():
-        plain = type(model)(*args, **{**kwargs, "backend": "torch", "device": str(model.device),
+        plain_class = getattr(model, "plain_class", type(model))  # the class a backend="torch" model loads as
+        plain = plain_class(*args, **{**kwargs, "backend": "torch", "device": str(model.device),
                                       "model_kwargs": {**model_kwargs, "dtype": dtype}})  # fmt: skip
         probing.copy_settings(model, plain)
         found = _timed(probing, plain, cases, warm_up)

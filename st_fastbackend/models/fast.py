@@ -66,6 +66,9 @@ class fast_method:  # lower case: a decorator, as functools.cached_property
     def __set_name__(self, owner: type, name: str) -> None:
         self.owner, self.name = owner, name
 
+    def __call__(self, model, *args, **kwargs):  # called through the class: FastModel.save(model, path)
+        return self.__get__(model, type(model))(*args, **kwargs)
+
     def __get__(self, model, kind: type | None = None):
         if model is None:
             return self
@@ -274,7 +277,7 @@ class FastModel:
 
     def forward_sequences(
         self,
-        sequences: Sequence[Tokens],
+        sequences: Sequence[Tokens | Sequence[int]],
         prompt: str | None = None,
         device: torch.device | None = None,
         prefix: Prefix | None = None,
@@ -283,7 +286,7 @@ class FastModel:
         """One packed forward pass over token sequences (already tokenized with `prompt`, if any): every module's
         outputs. With a computed `prefix`, the sequences are what follows it (engine/prefix.py). `module_kwargs`:
         what the modules take besides the features, as encode() passes them (a task)."""
-        features = self.packed_input.pack(list(sequences), prompt, prefix)
+        features = self.packed_input.pack([Tokens.of(s) for s in sequences], prompt, prefix)
         features["packed"] = features["packed"].to(device or self.device, non_blocking=True)
         return self(features, **(module_kwargs or {}))
 

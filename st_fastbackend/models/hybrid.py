@@ -73,7 +73,8 @@ def load_heads(folder: Path, hidden: int, hub_id: str | None = None) -> Heads:
     found = {}
     for kind, name in HEAD_FILES.items():
         state = torch.load(head_file(folder, name, hub_id), map_location="cpu", weights_only=True)
-        if set(state) != {"weight", "bias"} or state["weight"].shape[1:] != (hidden,):
+        weight, bias = state.get("weight"), state.get("bias")
+        if set(state) != {"weight", "bias"} or weight.shape[1:] != (hidden,) or bias.shape != weight.shape[:1]:
             shapes = {k: tuple(v.shape) for k, v in state.items()}
             raise UnsupportedModelError(f"{name} holding {shapes} (expected a Linear from hidden size {hidden})")
         found[kind] = state
@@ -87,6 +88,7 @@ class HybridEncoder(SentenceTransformer):
     """A SentenceTransformer (encode() is the plain dense output) with encode_all(): the three outputs of one pass."""
 
     output_kind = "hybrid"
+    plain_class = SentenceTransformer  # what check() compares encode() with, loaded with backend="torch"
     # /v1/embeddings and /embed the dense vector, /embed_all the token embeddings, /embed_sparse the lexical weights,
     # /embed_hybrid all three (serve/sparse.py): each through pack_rows (served_options).
     served_outputs = (*SentenceTransformer.served_outputs, "sparse", "multi_vector", "hybrid")
@@ -103,6 +105,15 @@ class HybridEncoder(SentenceTransformer):
         tokenizer = self.tokenizer
         special = (tokenizer.cls_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id)
         self.unused_ids = sorted({i for i in special if i is not None})
+
+    def save(self, path: str, *args, **kwargs) -> None:
+        """The sentence-transformers folder, and both heads beside it as bge-m3 ships them."""
+        super().save(path, *args, **kwargs)
+        heads = self.heads
+        saved = {"sparse": (heads.sparse_weight, heads.sparse_bias), "multi_vector": (heads.colbert_weight,
+                 heads.colbert_bias)}  # fmt: skip
+        for kind, (weight, bias) in saved.items():
+            torch.save({"weight": weight.cpu(), "bias": bias.cpu()}, Path(path) / HEAD_FILES[kind])
 
     def encode_all(
         self, texts: list[str], dense: bool = True, sparse: bool = True, multi_vector: bool = True, *,

@@ -35,6 +35,14 @@ def record_batches(model):
     return seen, handle
 
 
+def test_a_pack_mixing_sequences_with_and_without_token_types_is_refused():
+    from st_fastbackend.engine.batch import PackedBatch, Tokens
+
+    with pytest.raises(ValueError, match="some with token types and some without"):
+        PackedBatch.from_tokens([Tokens([1, 2], [0, 0]), Tokens([3])])
+    assert PackedBatch.from_tokens([Tokens([1, 2], [0, 1]), Tokens([3], [0])]).token_type_ids.tolist() == [0, 1, 0]
+
+
 def test_cpu_packs_fill_the_token_budget_whatever_batch_size(model, texts):
     """On a CPU batch_size does not cap a pack (each pack's fixed cost tells on short texts); the token budget does.
     Elsewhere a pack holds at most batch_size texts, as in plain sentence-transformers. The numbers are the same."""

@@ -121,6 +121,26 @@ def test_wrong_head_shape_is_named(tmp_path):
         HybridEncoder(str(tmp_path / "m"), device="cpu")
 
 
+def test_a_bias_of_the_wrong_shape_is_named(tmp_path):
+    shutil.copytree(MODEL, tmp_path / "m")
+    state = torch.load(MODEL / "colbert_linear.pt", weights_only=True)
+    torch.save({"weight": state["weight"], "bias": state["bias"][:1]}, tmp_path / "m" / "colbert_linear.pt")
+    with pytest.raises(UnsupportedModelError, match="colbert_linear.pt holding"):
+        HybridEncoder(str(tmp_path / "m"), device="cpu")
+
+
+def test_save_writes_both_heads_and_loads_back(model, reference, tmp_path):
+    model.save(str(tmp_path / "saved"))
+    assert_matches(HybridEncoder(str(tmp_path / "saved"), device="cpu").encode_all(TEXTS), reference,
+                   list(range(len(TEXTS))))  # fmt: skip
+
+
+def test_check_compares_with_plain_sentence_transformers(model):
+    """check() loads the plain side as a SentenceTransformer with backend="torch" (HybridEncoder has no other)."""
+    report = model.check(TEXTS[:4])
+    assert report.passed and report.failed == [] and report.cases, str(report)
+
+
 def plain_bf16(reference: dict) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
     """FlagEmbedding's rules on transformers' own XLM-RoBERTa in bf16, one text at a time: the dense vectors, the
     lexical weights over the vocabulary, the ColBERT vectors."""
