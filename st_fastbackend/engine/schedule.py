@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from st_fastbackend.engine import runtime
 from st_fastbackend.engine.batch import Tokens, plan_batches
 from st_fastbackend.engine.prefix import Prefix
 from st_fastbackend.engine.spec import mlp_width
@@ -26,8 +27,9 @@ CPU_PACK_TEXTS = 4096
 
 def texts_per_pack(batch_size: int, device: torch.device) -> int:
     """How many texts a pack of encode() (or the corpus job) may hold: on a CPU, as many as the token budget takes
-    (batch_size is not a cap there); elsewhere batch_size, as plain sentence-transformers."""
-    return max(batch_size, CPU_PACK_TEXTS) if device.type == "cpu" else batch_size
+    (batch_size is not a cap there); on a device of varlen kernels (a GPU, or a CPU standing in for one in the
+    tests: runtime.VARLEN_DEVICES) batch_size, as plain sentence-transformers."""
+    return batch_size if device.type in runtime.VARLEN_DEVICES else max(batch_size, CPU_PACK_TEXTS)
 
 
 class Schedule:
