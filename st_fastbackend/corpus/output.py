@@ -138,12 +138,14 @@ def hybrid_kind(outputs: tuple[str, ...]) -> OutputKind:
         columns, dimensions = {}, []
         if rows.dense is not None:
             found, dimension = dense_columns(rows.dense, dtype)
-            columns.update(found), dimensions.append(dimension)
+            columns.update(found)
+            dimensions.append(dimension)
         if rows.sparse is not None:
             columns.update(sparse_columns(rows.sparse, dtype)[0])
         if rows.multi_vector is not None:
             found, dimension = multi_vector_columns(rows.multi_vector, dtype)
-            columns["multi_vector"], _ = found["embedding"], dimensions.append(dimension)
+            columns["multi_vector"] = found["embedding"]
+            dimensions.append(dimension)
         return columns, dimensions[0] if dimensions else rows.sparse.dimension
 
     return OutputKind("hybrid", tuple(c for name in outputs for c in HYBRID_COLUMNS[name]), write)

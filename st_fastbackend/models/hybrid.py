@@ -93,6 +93,7 @@ class HybridEncoder(SentenceTransformer):
     # /embed_hybrid all three (serve/sparse.py): each through pack_rows (served_options).
     served_outputs = (*SentenceTransformer.served_outputs, "sparse", "multi_vector", "hybrid")
     prompt_reuse = False  # the prompt's tokens are among the lexical weights and the vectors
+    _on_device: tuple | None = None  # ((device, dtype), the heads there, the dropped ids there), until a move
 
     def __init__(self, *args, backend: str = "fast", **kwargs) -> None:
         if backend != "fast":
@@ -143,19 +144,32 @@ class HybridEncoder(SentenceTransformer):
         asked = options.pop("hybrid", None)
         if asked is None:
             return super().pack_rows(prompt, options)
-        state: dict = {}
 
         def rows(out: dict) -> tuple[list, None]:
             tokens = out["token_embeddings"]  # [T, H]
-            if "heads" not in state:  # once per call, on the pack's device and dtype
-                state["heads"] = self.heads.to(tokens.device, tokens.dtype)
-                state["unused"] = torch.tensor(self.unused_ids, device=tokens.device)
+            heads, unused = self._heads_on(tokens.device, tokens.dtype)
             if isinstance(asked, str):  # the server's one output
-                found = _pack_rows(out, tokens, state["heads"], state["unused"], (asked,))
+                found = _pack_rows(out, tokens, heads, unused, (asked,))
                 return [row[OUTPUTS.index(asked)] for row in found], None
-            return _pack_rows(out, tokens, state["heads"], state["unused"], asked), None
+            return _pack_rows(out, tokens, heads, unused, asked), None
 
         return PackRows(text_tokens(self[0].texts, prompt), rows, lambda results, device: results)
+
+    def _heads_on(self, device: torch.device, dtype: torch.dtype) -> tuple[Heads, Tensor]:
+        """The heads and the dropped ids on the device, in the dtype: copied once, not at every pack (the server
+        asks for a row rule per pack), until the model moves (_apply)."""
+        key = (device, dtype)
+        if self._on_device is None or self._on_device[0] != key:
+            self._on_device = (key, self.heads.to(device, dtype), torch.tensor(self.unused_ids, device=device))
+        return self._on_device[1], self._on_device[2]
+
+    def _apply(self, *args, **kwargs):
+        self._on_device = None
+        return super()._apply(*args, **kwargs)
+
+    def __getstate__(self) -> dict:
+        """Pickled (multi-process pools) without the device copies: a worker may not have that device."""
+        return {k: v for k, v in self.__dict__.items() if k != "_on_device"}
 
 
 def _pack_rows(out: dict, tokens: Tensor, heads: Heads, unused: Tensor, asked: tuple[str, ...]) -> list[tuple]:

@@ -186,3 +186,21 @@ def test_bf16_error_within_three_times_plain(reference):
     theirs = max(np.abs(v - r).max() for v, r in zip(vectors, reference["colbert"], strict=True))
     assert max(np.abs(v - r).max() for v, r in zip(ours.multi_vector, reference["colbert"], strict=True)) <= 3 * theirs
     assert theirs > 0  # bf16 differs from fp32: the bound is not vacuous
+
+
+def test_the_heads_reach_the_device_once_not_per_pack(model, monkeypatch):
+    """The server asks for a row rule per pack: the heads are copied to the pack's device and dtype once, and again
+    only after the model moves; a pickled model carries no such copy."""
+    import pickle
+
+    copies = []
+    heads_to = type(model.heads).to
+    monkeypatch.setattr(type(model.heads), "to", lambda self, *a: copies.append(a) or heads_to(self, *a))
+    model._on_device = None
+    for _ in range(3):
+        model.encode_all(TEXTS, batch_size=4)
+    assert len(copies) == 1
+    assert "_on_device" not in pickle.loads(pickle.dumps(model)).__dict__
+    model.to("cpu")
+    model.encode_all(TEXTS[:2])
+    assert len(copies) == 2
