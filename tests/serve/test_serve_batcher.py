@@ -82,18 +82,28 @@ def narrow_bert(st_model, tmp_path_factory):
 
 @pytest.mark.slow
 def test_a_failing_forward_fails_only_its_own_request(narrow_bert, texts):
-    process, url = start_server(narrow_bert, *ONE_PACK)
+    process, url = start_server(narrow_bert, *ONE_PACK, "--max-batch-size", "16000")
+    model = SentenceTransformer(str(narrow_bert), backend="fast", device=DEVICE)
     try:
         short = [t for t in texts if t and len(t.split()) < 8][:12]
-        with busy_worker(url, short * 100, {}), ThreadPoolExecutor(len(short) + 1) as pool:
+        fitting = [t for t in texts if t and len(model.tokenizer(t)["input_ids"]) <= 64]
+        busy = (fitting * 16000)[:16000]  # one pack of seconds: all below is queued well before it ends
+        queued = 'embedding_requests_total{endpoint="/v1/embeddings"}'
+        with busy_worker(url, busy, {}), ThreadPoolExecutor(len(short) + 1) as pool:
+            packs_before = metric(url, "embedding_batch_texts_count")
+            sent_before = metric(url, queued)
             failing = pool.submit(
                 httpx.post, f"{url}/v1/embeddings", json={"input": " ".join(WORDS[:100])}, timeout=300
             )
-            responses = list(
-                pool.map(lambda t: httpx.post(f"{url}/v1/embeddings", json={"input": t}, timeout=300), short)
-            )
-        expected = SentenceTransformer(str(narrow_bert), backend="fast", device=DEVICE).encode(short)
-        for response, row in zip(responses, expected, strict=True):
+            responses = pool.map(lambda t: httpx.post(f"{url}/v1/embeddings", json={"input": t}, timeout=300), short)
+            deadline = time.time() + 30
+            while metric(url, queued) < sent_before + len(short) + 1 and time.time() < deadline:
+                time.sleep(0.02)
+            time.sleep(0.3)  # counted as they arrive, submitted once tokenized
+            # the premise: all of them wait together behind the busy pack, so they share the next batch
+            assert metric(url, "embedding_batch_texts_count") == packs_before
+            responses = list(responses)
+        for response, row in zip(responses, model.encode(short), strict=True):
             assert response.status_code == 200
             np.testing.assert_allclose(response.json()["data"][0]["embedding"], row, atol=1e-5, rtol=0)
         assert failing.result().status_code == 500
