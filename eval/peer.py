@@ -26,7 +26,7 @@ import numpy as np
 from harness import data, measure, options  # standard library only: this runs under the peer's Python
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
-SYSTEMS = ["vllm", "openvino", "onnx", "torch", "onnx-int8", "openvino-int8"]
+SYSTEMS = ["vllm", "openvino", "onnx", "torch", "onnx-int8", "openvino-int8", "flagembedding-m3"]
 # The file each int8 export writes, as sentence-transformers names it.
 INT8_FILES = {
     "onnx-int8": "onnx/model_qint8_avx512_vnni.onnx",
@@ -92,6 +92,18 @@ def int8_export(system: str, model: str, work_dir: Path, calibration: list[str])
     return str(folder)
 
 
+def readable_copy(model: str, work_dir: Path) -> str:
+    """A copy of `model` (made once, under work_dir) that the peer's older versions read."""
+    folder = work_dir / f"{Path(model).name}-readable"
+    if not folder.is_dir():
+        part = folder.with_name(folder.name + ".part")  # renamed when whole: an interrupted copy is made again
+        shutil.rmtree(part, ignore_errors=True)
+        shutil.copytree(model, part)
+        readable_by_older_versions(part)
+        part.rename(folder)
+    return str(folder)
+
+
 def readable_by_older_versions(folder: Path) -> None:
     """A folder this project's versions wrote (eval/harness's small models), in the names the peers' older ones
     know: modules.json's classes under sentence-transformers' long-standing `sentence_transformers.models` names
@@ -109,6 +121,49 @@ def readable_by_older_versions(folder: Path) -> None:
         path.write_text(json.dumps({**config, "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2))
 
 
+def flag_m3(model: str, texts: list[str], batch_size: int, rounds: int, max_length: int) -> dict:
+    """BGEM3FlagModel.encode with all three outputs: the arrays of an untimed call and its peak memory, then the
+    timed rounds. Lexical weights as concatenated ids and values with per-text counts; ColBERT vectors likewise."""
+    from FlagEmbedding import BGEM3FlagModel
+
+    m3 = BGEM3FlagModel(model, use_fp16=False, devices="cpu", passage_max_length=max_length)
+
+    def embed(batch: list[str]) -> dict:
+        return m3.encode(batch, batch_size=batch_size, return_dense=True, return_sparse=True,
+                         return_colbert_vecs=True)  # fmt: skip
+
+    embed(texts[:batch_size])  # warm-up
+    loaded = measure.rss_bytes()
+    with measure.PeakMemory("cpu") as memory:
+        out = embed(texts)
+    forwards = timed_forwards(m3.model)
+    seconds = measure.alternate({"peer": lambda: embed(texts)}, rounds).seconds["peer"]
+    # each encode() first runs its first (longest) batch once to find a batch size that fits, then every batch: the
+    # first forward of each call is that probe
+    probes = forwards[:: len(forwards) // rounds]
+    lexical, colbert = out["lexical_weights"], out["colbert_vecs"]
+    return dict(
+        embeddings=out["dense_vecs"].astype(np.float32),
+        sparse_ids=np.array([int(k) for row in lexical for k in row], dtype=np.int64),
+        sparse_values=np.array([float(v) for row in lexical for v in row.values()], dtype=np.float32),
+        sparse_counts=np.array([len(row) for row in lexical], dtype=np.int64),
+        colbert=np.concatenate(colbert).astype(np.float32),
+        colbert_counts=np.array([len(v) for v in colbert], dtype=np.int64),
+        seconds=np.array(seconds), probe_seconds=np.array(probes), peak_extra_bytes=memory.extra,
+        loaded_bytes=loaded,
+    )  # fmt: skip
+
+
+def timed_forwards(module) -> list[float]:
+    """The seconds of each forward of `module` from now on (a pre-hook and a hook)."""
+    import time
+
+    seconds: list[float] = []
+    module.register_forward_pre_hook(lambda *_: seconds.append(-time.perf_counter()))
+    module.register_forward_hook(lambda *_: seconds.append(seconds.pop() + time.perf_counter()))
+    return seconds
+
+
 def main() -> None:
     parser = options.parser(__doc__, "batch_size", "rounds", "data_dir")
     parser.add_argument("--system", required=True, choices=SYSTEMS)
@@ -117,9 +172,14 @@ def main() -> None:
     parser.add_argument("--texts", required=True, help="a JSON list of strings")
     parser.add_argument("--out", required=True)
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/st_fastbackend_peers"), help="int8 exports")
+    parser.add_argument("--max-length", type=int, default=512, help="flagembedding-m3's passage_max_length")
     args = parser.parse_args()
     with open(args.texts, encoding="utf8") as f:
         texts = json.load(f)
+    if args.system == "flagembedding-m3":
+        folder = readable_copy(args.model, args.work_dir)
+        np.savez(args.out, **flag_m3(folder, texts, args.batch_size, args.rounds, args.max_length))
+        return
     dev = data.sts_sentences(args.data_dir, "dev", columns=("sentence1",))[:300]
     calibration = dev if args.system == "openvino-int8" else None
     embed = load(args.system, args.model, args.dtype, args.work_dir, calibration)

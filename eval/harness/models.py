@@ -40,6 +40,11 @@ BERT_BASE_SHAPED = dict(
     model_type="bert", hidden_size=768, num_hidden_layers=4, num_attention_heads=12, intermediate_size=3072,
     max_position_embeddings=512,
 )  # fmt: skip
+# BAAI/bge-m3's body, XLM-RoBERTa-large's widths (its config.json): 24 layers, hidden 1024, 16 heads.
+XLM_ROBERTA_LARGE_SHAPED = dict(
+    model_type="xlm-roberta", hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
+    type_vocab_size=1, layer_norm_eps=1e-5, bos_token_id=0, pad_token_id=1, eos_token_id=2,
+)  # fmt: skip
 # The sentence-transformers class of each model that is not a SentenceTransformer.
 KINDS = {"splade": "SparseEncoder", "colbert": "MultiVectorEncoder"}
 
@@ -135,6 +140,50 @@ def colbert_shaped(folder: Path, shape: dict, dim: int = 128, max_seq_length: in
     modules = [transformer, dense, mask, Normalize(module_input_name="token_embeddings")]
     MultiVectorEncoder(modules=modules, device="cpu").save(str(folder))
     shutil.rmtree(hf)
+    return folder
+
+
+def bge_m3_shaped(folder: Path, shape: dict, corpus: list[str], max_seq_length: int = 512) -> Path:
+    """A folder as BAAI/bge-m3 ships it, random weights of `shape` (seed 0): an XLM-RoBERTa checkpoint inside a
+    sentence-transformers folder (Transformer, CLS Pooling, Normalize), sparse_linear.pt (Linear hidden -> 1) and
+    colbert_linear.pt (hidden -> hidden). bge-m3's 250,002-piece tokenizer is not here: a 30,000-piece BPE with
+    XLM-RoBERTa's special tokens and template, trained on `corpus`, gives English token counts near the real one's
+    (the vocabulary only sizes the embedding table, which no token multiplies). Built once."""
+    import torch
+    import transformers
+    from sentence_transformers import SentenceTransformer as PlainSentenceTransformer
+    from sentence_transformers.base.modules import Normalize, Transformer
+    from sentence_transformers.sentence_transformer.modules import Pooling
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    if (folder / "modules.json").is_file():
+        return folder
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.normalizer, tokenizer.pre_tokenizer = normalizers.NFKC(), pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    specials = ["<s>", "<pad>", "</s>", "<unk>"]  # XLM-RoBERTa's ids 0-3
+    tokenizer.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=30_000, special_tokens=specials))
+    tokenizer.add_special_tokens(["<mask>"])
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 2)]
+    )
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", cls_token="<s>", eos_token="</s>", sep_token="</s>",
+        unk_token="<unk>", pad_token="<pad>", mask_token="<mask>", model_max_length=max_seq_length,
+    )  # fmt: skip
+    config = transformers.AutoConfig.for_model(
+        vocab_size=tokenizer.get_vocab_size(), max_position_embeddings=max_seq_length + 2, **shape
+    )
+    torch.manual_seed(0)
+    hf = folder / "hf"
+    transformers.AutoModel.from_config(config, add_pooling_layer=False).save_pretrained(hf)
+    fast.save_pretrained(hf)
+    transformer = Transformer(str(hf), max_seq_length=max_seq_length)
+    pooling = Pooling(shape["hidden_size"], pooling_mode="cls")
+    PlainSentenceTransformer(modules=[transformer, pooling, Normalize()], device="cpu").save(str(folder))
+    shutil.rmtree(hf)
+    torch.save(torch.nn.Linear(shape["hidden_size"], 1).state_dict(), folder / "sparse_linear.pt")
+    torch.save(torch.nn.Linear(shape["hidden_size"], shape["hidden_size"]).state_dict(), folder / "colbert_linear.pt")
     return folder
 
 
