@@ -150,7 +150,7 @@ def flag_m3(model: str, texts: list[str], batch_size: int, rounds: int, max_leng
         colbert=np.concatenate(colbert).astype(np.float32),
         colbert_counts=np.array([len(v) for v in colbert], dtype=np.int64),
         seconds=np.array(seconds), probe_seconds=np.array(probes), peak_extra_bytes=memory.extra,
-        loaded_bytes=loaded,
+        loaded_bytes=loaded, peak_rss_bytes=measure.peak_rss_bytes(),
     )  # fmt: skip
 
 

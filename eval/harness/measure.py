@@ -110,6 +110,12 @@ def rss_bytes(pid: int | str = "self") -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def peak_rss_bytes() -> int:
+    """This process's highest resident set size so far (the kernel's VmHWM): what the machine had to hold."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
 def rss_mib(pid: int | str = "self") -> float:
     return rss_bytes(pid) / 2**20
 
