@@ -74,8 +74,9 @@ def fidelity(fast: dict, flag: dict) -> dict:
         "dense_max_abs_diff": float(np.abs(fast["dense_vecs"] - flag["embeddings"]).max()),
         # an id one side keeps and the other does not (a weight at the edge of relu's zero) counts its weight
         "lexical_max_abs_diff": max(
-            abs(a.get(k, 0.0) - b.get(k, 0.0)) for a, b in zip(mine, lexical, strict=True) for k in a.keys() | b.keys()
-        ),  # fmt: skip
+            [abs(a.get(k, 0.0) - b.get(k, 0.0)) for a, b in zip(mine, lexical, strict=True) for k in a | b],
+            default=0.0,  # no text with an id on either side: a deep random stack can zero every weight
+        ),
         "texts_lexical_ids_differ": sum(a.keys() != b.keys() for a, b in zip(mine, lexical, strict=True)),
         "colbert_max_abs_diff": max(
             float(np.abs(a - b).max()) for a, b, s in zip(fast["colbert_vecs"], colbert, same_shape, strict=True) if s
