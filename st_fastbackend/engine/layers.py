@@ -16,17 +16,23 @@ from st_fastbackend.engine import fused, onednn, quantize
 class Linear(nn.Linear):
     """nn.Linear whose products run through oneDNN (engine/onednn.py) where the engine's Runtime says so:
     the engine sets `product_dtype` from it (None: PyTorch's F.linear; torch.int8: int8 products of
-    engine/quantize.py, their passes compiled where `compiled_passes` says), and without gradients only. The
-    dense weight stays the parameter (state_dict, .to(device)); the reordered copies are rebuilt whenever the
-    weight changes, and cost as much memory again as the weights they copy (a quarter of it in int8)."""
+    engine/quantize.py, their passes compiled where `compiled_passes` says), and without gradients only.
+
+    The reordered copies are made at the first product and again whenever the weight changes. Where the engine
+    sets `releases_weight` and the copy is in the weight's own dtype, the copy holds every number of the weight,
+    so the dense weight's memory is given back once it is made: the parameter stays (its dtype and device) with
+    no elements, and is rebuilt from the copy, exactly, wherever it is needed again: state_dict, load_state_dict,
+    .to(), pickling, a product with gradients or without oneDNN. Else the copies cost as much memory again as
+    the weights they copy (a quarter of it in int8)."""
 
     product_dtype: torch.dtype | None = None
     compiled_passes: bool = True  # int8 only: the engine sets it from quantize.passes_compiled()
+    releases_weight: bool = False  # the engine's own layers (no weight shared with another module)
     _packed: dict | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         if not self._onednn():
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, self.dense_weight(), self.bias)
         if self.product_dtype == torch.int8:
             return quantize.product(x, self._part(0, 1), compiled=self.compiled_passes).to(self.weight.dtype)
         return onednn.product(x, self._part(0, 1)).to(self.weight.dtype)
@@ -54,32 +60,66 @@ class Linear(nn.Linear):
     def silu_mul(self, x: Tensor) -> Tensor:
         return self.gated(x, "silu")
 
+    def dense_weight(self) -> Tensor:
+        """The weight, rebuilt in place from its reordered copy if it was given back."""
+        if self._released():
+            self.weight.data = self._rebuilt()
+            self._packed = None  # copies of the released weight; made again at the next product
+        return self.weight
+
     def _onednn(self) -> bool:
         return self.product_dtype is not None and not torch.is_grad_enabled()
 
+    def _released(self) -> bool:
+        return self._packed is not None and "released" in self._packed and self.weight.numel() == 0
+
+    def _rebuilt(self) -> Tensor:
+        parts = self._packed["released"]
+        return torch.cat([self._packed[part, parts][0].to_dense() for part in range(parts)])  # exact: a reorder
+
+    def _key(self) -> tuple:
+        return self.weight.data_ptr(), self.weight._version, self.product_dtype
+
     def _part(self, part: int, parts: int) -> onednn.Packed | quantize.QPacked:
         """Rows part/parts of the weight and bias, reordered for oneDNN (quantized for int8 products): made
-        once per weight version."""
-        key = (self.weight.data_ptr(), self.weight._version, self.product_dtype)
-        if self._packed is None or self._packed["key"] != key:
-            self._packed = {"key": key}
+        once per weight version, all `parts` at once; then the dense weight is given back where it may be."""
+        if self._packed is not None and (self._packed["key"] != self._key() or (part, parts) not in self._packed):
+            self.dense_weight()  # another dtype, or other parts, from the weight the copy holds
+        if self._packed is None or self._packed["key"] != self._key():
+            self._packed = {"key": self._key()}
         if (part, parts) not in self._packed:
-            weight, bias = self.weight.chunk(parts)[part], None if self.bias is None else self.bias.chunk(parts)[part]
-            if self.product_dtype == torch.int8:
-                self._packed[part, parts] = quantize.prepack(weight, bias)
-            else:
-                self._packed[part, parts] = onednn.prepack(weight, bias, self.product_dtype)
+            weights, biases = self.weight.chunk(parts), [None] * parts if self.bias is None else self.bias.chunk(parts)
+            for i, (weight, bias) in enumerate(zip(weights, biases, strict=True)):
+                if self.product_dtype == torch.int8:
+                    self._packed[i, parts] = quantize.prepack(weight, bias)
+                else:
+                    self._packed[i, parts] = onednn.prepack(weight, bias, self.product_dtype)
+            if self.releases_weight and self.product_dtype == self.weight.dtype:
+                self.weight.data = self.weight.new_empty(0)
+                self._packed.update(key=self._key(), released=parts)
         return self._packed[part, parts]
 
     def _apply(self, fn, *args, **kwargs):
-        """.to(device), .to(dtype), .half(): the copies belong to the old weight (the engine sets
-        `product_dtype` again for its new runtime)."""
+        """.to(device), .to(dtype), .half(): on the dense weight; the copies belong to the old one (the engine
+        sets `product_dtype` again for its new runtime)."""
+        self.dense_weight()
         self._packed = None
         return super()._apply(fn, *args, **kwargs)
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._released():  # a dense copy for the caller; this layer keeps only the reordered one
+            weight = self._rebuilt()
+            destination[prefix + "weight"] = nn.Parameter(weight, self.weight.requires_grad) if keep_vars else weight
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        self.dense_weight()  # the loaded weight is copied into it
+        super()._load_from_state_dict(*args, **kwargs)
+
     def __getstate__(self) -> dict:
-        """Pickled (multi-process pools) and copied without the reordered copies: oneDNN's opaque
-        tensors have no storage to pickle; they are rebuilt at the first forward."""
+        """Pickled (multi-process pools) and copied with the dense weight and without the reordered copies:
+        oneDNN's opaque tensors have no storage to pickle; they are rebuilt at the first forward."""
+        self.dense_weight()
         return {k: v for k, v in self.__dict__.items() if k != "_packed"}
 
 

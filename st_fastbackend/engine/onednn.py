@@ -127,12 +127,16 @@ def with_room(shape: tuple[int, ...], like: Tensor) -> Tensor:
 
 
 def copies_fit(engine: nn.Module) -> bool:
-    """Whether the reordered copies (the matrix weights a second time) take at most a quarter of the memory
-    available now: a large model on a small machine keeps PyTorch's default products instead."""
-    size = sum(m.weight.numel() * m.weight.element_size() for m in engine.modules() if isinstance(m, nn.Linear))
+    """Whether the reordered copies kept beside the matrix weights take at most a quarter of the memory available
+    now: a large model on a small machine keeps PyTorch's default products instead. A copy in the weight's own
+    dtype replaces the weight (engine/layers.Linear gives the weight back once it is copied), so only a copy in
+    another dtype (bf16 products of fp32 weights) counts; the engine's layers are copied one at a time."""
+    layers = [m for m in engine.modules() if isinstance(m, nn.Linear)]
+    kept = [m.weight for m in layers if product_dtype(m.weight.dtype) not in (None, m.weight.dtype)]
+    size = sum(weight.numel() * product_dtype(weight.dtype).itemsize for weight in kept)
     fits = size <= free_memory_bytes() / 4
     if not fits:
-        logger.info(f"Matrix weights of {size / 2**30:.1f} GiB: no reordered copies for oneDNN (memory).")
+        logger.info(f"Weight copies of {size / 2**30:.1f} GiB: no reordered copies for oneDNN (memory).")
     return fits
 
 

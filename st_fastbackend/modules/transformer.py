@@ -248,6 +248,7 @@ class PackedTransformer(InputModule):
             if isinstance(layer, Linear):
                 layer.product_dtype = torch.int8 if self.quantize else runtime.product_dtype
                 layer.compiled_passes = compiled_passes
+                layer.releases_weight = True  # the engine's own: no weight shared with another module
         logger.info(f"Runtime: {runtime}" + (f"; Linear layers quantize={self.quantize!r}" if self.quantize else ""))
         self._runtime = runtime
 

@@ -48,6 +48,70 @@ def test_linear_matches_f_linear_and_follows_weight_changes():
             torch.testing.assert_close(clone(x), layer(x))
 
 
+def test_a_copy_in_the_weights_dtype_replaces_the_weight():
+    """Where the engine lets it, the dense weight is given back once its copy in the same dtype is made, and is
+    rebuilt from the copy, bit for bit, wherever it is needed: state_dict, load_state_dict, pickling, .to(),
+    gradients; the same numbers throughout."""
+    torch.manual_seed(0)
+    layer, x = onednn_linear(64, 48), torch.randn(37, 64)
+    layer.releases_weight = True
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    with torch.inference_mode():
+        y = layer(x)
+    torch.testing.assert_close(y, F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+    assert layer.weight.numel() == 0 and layer.weight.dtype == torch.float32  # given back; its dtype kept
+    assert torch.equal(layer.state_dict()["weight"], weight) and layer.weight.numel() == 0  # not rebuilt in place
+    assert torch.equal(layer.state_dict(keep_vars=True)["weight"], weight)
+    clone = pickle.loads(pickle.dumps(layer))  # multi-process pools pickle: the dense weight travels
+    assert torch.equal(clone.weight, weight) and torch.equal(layer.weight, weight)
+    with torch.inference_mode():
+        assert torch.equal(clone(x), y) and torch.equal(layer(x), y) and layer.weight.numel() == 0
+    layer.load_state_dict({"weight": 2 * weight, "bias": bias})  # into the rebuilt weight
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, 2 * weight, bias), atol=1e-5, rtol=1e-5)
+    layer.load_state_dict({"weight": weight, "bias": bias})
+    with torch.inference_mode():
+        layer(x)
+    layer.to(torch.float64)  # moves the rebuilt weight
+    assert torch.equal(layer.weight, weight.double())
+    layer.to(torch.float32)
+    with torch.inference_mode():
+        layer(x)
+    layer(x).sum().backward()  # gradients on: F.linear on the rebuilt weight
+    assert torch.equal(layer.weight, weight) and layer.weight.grad is not None
+
+
+@pytest.mark.parametrize("product", [torch.bfloat16, torch.int8])
+def test_a_copy_in_another_dtype_keeps_the_weight(product):
+    """bf16 or int8 copies of fp32 weights lose digits: the dense weight stays."""
+    if product not in (*onednn.onednn_dtypes(), torch.int8):
+        pytest.skip("oneDNN runs bf16 natively with AVX-512")
+    torch.manual_seed(0)
+    layer, x = onednn_linear(64, 48), torch.randn(37, 64)
+    layer.releases_weight, layer.product_dtype = True, product
+    weight = layer.weight.detach().clone()
+    with torch.inference_mode():
+        layer(x)
+    assert layer._packed is not None and torch.equal(layer.weight, weight)
+
+
+def test_the_halves_of_a_gated_layer_replace_its_weight():
+    """A gated MLP's first layer is copied as two halves: both are made before its weight is given back, and the
+    weight is rebuilt from both."""
+    torch.manual_seed(0)
+    spec = type("Spec", (), dict(hidden_size=64, intermediate_size=96, mlp_bias=True, hidden_act="silu"))
+    mlp, x, runtime = MLP(spec), torch.randn(29, 64), choose_runtime("cpu", torch.float32)
+    weight = mlp.gate_up_proj.weight.detach().clone()
+    with torch.inference_mode():
+        expected = mlp(x, runtime)
+    for layer in (mlp.gate_up_proj, mlp.down_proj):
+        layer.product_dtype, layer.releases_weight = torch.float32, True
+    with torch.inference_mode():
+        torch.testing.assert_close(mlp(x, runtime), expected, atol=1e-5, rtol=1e-5)
+    assert mlp.gate_up_proj.weight.numel() == 0 and set(mlp.gate_up_proj._packed) >= {(0, 2), (1, 2)}
+    assert torch.equal(mlp.gate_up_proj.state_dict()["weight"], weight)
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh", "gelu"])
 def test_fused_gated_mlp_matches_the_unfused_one(bias, act):
@@ -115,10 +179,33 @@ def test_the_engine_is_set_up_once_per_runtime(st_model, monkeypatch):
     assert len(calls) == 2
 
 
+def test_the_engine_keeps_one_copy_of_its_weights(st_model):
+    """After encode() the engine's matrix weights live only in their reordered copies (fp32 products of fp32
+    weights): the model's state_dict is still every weight as loaded, and moving it and back gives the same
+    numbers."""
+    plain, fast = load_both(st_model("bert", pooling_mode="mean"), device="cpu")
+    loaded = {name: tensor.clone() for name, tensor in fast.state_dict().items()}
+    texts = ["a short text", "another text, longer than the first one"]
+    embeddings = fast.encode(texts)
+    np.testing.assert_allclose(embeddings, plain.encode(texts), atol=1e-5, rtol=0)
+    linears = [m for m in fast[0].model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.weight.numel() == 0 for m in linears)
+    state = fast.state_dict()
+    assert state.keys() == loaded.keys() and all(torch.equal(state[name], loaded[name]) for name in loaded)
+    fast.to(torch.float64).to(torch.float32)
+    np.testing.assert_array_equal(fast.encode(texts), embeddings)
+
+
+@pytest.mark.skipif(torch.bfloat16 not in onednn.onednn_dtypes(), reason="oneDNN runs bf16 natively with AVX-512")
 def test_no_reordered_copies_where_memory_is_short(st_model, monkeypatch):
-    """The copies would take more than a quarter of the free memory: PyTorch's product, same numbers."""
+    """bf16 copies kept beside fp32 weights would take more than a quarter of the free memory: PyTorch's
+    product, same numbers."""
     monkeypatch.setattr(onednn, "free_memory_bytes", lambda: 1024)
-    plain, fast = load_both(st_model("mistral", pooling_mode="mean"), device="cpu")
+    before, torch.backends.mkldnn.matmul.fp32_precision = torch.backends.mkldnn.matmul.fp32_precision, "bf16"
+    try:  # bf16 products at load, where the copies are chosen; fp32 products on both sides after
+        plain, fast = load_both(st_model("mistral", pooling_mode="mean"), device="cpu")
+    finally:
+        torch.backends.mkldnn.matmul.fp32_precision = before
     linears = [m for m in fast[0].model.modules() if isinstance(m, Linear)]
     assert not fast[0].onednn_copies and fast[0].runtime.product_dtype is None
     assert linears and not any(m.product_dtype for m in linears)
