@@ -8,6 +8,7 @@ between the loop's and the job's embeddings, id by id.
     python eval/bench_corpus.py --wiki-rows 4000 --scifact-rows 1000   # a busy 2-core machine
     python eval/bench_corpus.py --no-loop                 # embed-corpus and --ray only: Ray's overhead
     python eval/bench_corpus.py --reindex                 # SciFact edited, re-embedded with --reuse (issue 49)
+    python eval/bench_corpus.py --reindex --model bge-small   # the same at bge-small-en-v1.5's shape (random weights)
 
 WikiText-2's test split has 2,185 paragraphs (../shared/data/wikitext2/SOURCE.md): the Wikipedia corpus cycles
 through them to --wiki-rows rows, each with its own id. SciFact's 5,183 documents are embedded as MTEB
@@ -31,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from harness import data, options
+from harness import data, models, options
 
 SHARD_ROWS = 10_000
 BATCH_SIZE = 32
@@ -162,6 +163,8 @@ def main() -> None:
     parser.add_argument("--no-loop", action="store_true", help="only embed-corpus and --ray (Ray's overhead)")
     parser.add_argument("--reindex", action="store_true", help="SciFact edited, re-embedded with --reuse")
     args = parser.parse_args()
+    if not Path(args.model).is_dir():  # a name of harness.models.model_path: built once, in this process
+        args.model = models.model_path(args.model)
     if args.reindex:
         with tempfile.TemporaryDirectory(prefix="bench_corpus_") as tmp:
             work = Path(tmp)

@@ -40,6 +40,12 @@ BERT_BASE_SHAPED = dict(
     model_type="bert", hidden_size=768, num_hidden_layers=4, num_attention_heads=12, intermediate_size=3072,
     max_position_embeddings=512,
 )  # fmt: skip
+# BAAI/bge-small-en-v1.5's shape (its config.json; e5-small-v2 and all-MiniLM-L12-v2 have the same widths): 12 layers
+# of hidden 384, bert-base-uncased's vocabulary (all-MiniLM-L6-v2's tokenizer), CLS pooling, 512 tokens.
+BGE_SMALL_SHAPED = dict(
+    model_type="bert", hidden_size=384, num_hidden_layers=12, num_attention_heads=12, intermediate_size=1536,
+    max_position_embeddings=512,
+)  # fmt: skip
 # BAAI/bge-m3's body, XLM-RoBERTa-large's widths (its config.json): 24 layers, hidden 1024, 16 heads.
 XLM_ROBERTA_LARGE_SHAPED = dict(
     model_type="xlm-roberta", hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
@@ -51,7 +57,7 @@ KINDS = {"splade": "SparseEncoder", "colbert": "MultiVectorEncoder"}
 
 def model_path(name: str) -> str:
     """A sentence-transformers folder by name: "minilm" (real), "mistral", "embeddinggemma", "modernbert",
-    "splade", "colbert" (random weights; KINDS names their classes)."""
+    "bge-small", "splade", "colbert" (random weights; KINDS names their classes)."""
     if name == "minilm":
         return minilm_path()
     if name == "mistral":
@@ -60,6 +66,8 @@ def model_path(name: str) -> str:
         return str(shaped(CACHE / "embeddinggemma-shaped", EMBEDDING_GEMMA_SHAPED, "mean", dense=(3072, 768)))
     if name == "modernbert":
         return str(shaped(CACHE / "modernbert-shaped", MODERNBERT_SHAPED, "cls"))
+    if name == "bge-small":
+        return str(shaped(CACHE / "bge-small-shaped", BGE_SMALL_SHAPED, "cls"))
     if name == "splade":
         return str(splade_shaped(CACHE / "splade-bert-base-4l", BERT_BASE_SHAPED))
     if name == "colbert":
