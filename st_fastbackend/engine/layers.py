@@ -83,20 +83,21 @@ class Linear(nn.Linear):
     def _part(self, part: int, parts: int) -> onednn.Packed | quantize.QPacked:
         """Rows part/parts of the weight and bias, reordered for oneDNN (quantized for int8 products): made
         once per weight version, all `parts` at once; then the dense weight is given back where it may be."""
-        if self._packed is not None and (self._packed["key"] != self._key() or (part, parts) not in self._packed):
-            self.dense_weight()  # another dtype, or other parts, from the weight the copy holds
+        packed = self._packed
+        if packed is not None and packed["key"] == self._key() and (part, parts) in packed:
+            return packed[part, parts]
+        self.dense_weight()  # another dtype, or other parts, from the weight a released copy holds
         if self._packed is None or self._packed["key"] != self._key():
             self._packed = {"key": self._key()}
-        if (part, parts) not in self._packed:
-            weights, biases = self.weight.chunk(parts), [None] * parts if self.bias is None else self.bias.chunk(parts)
-            for i, (weight, bias) in enumerate(zip(weights, biases, strict=True)):
-                if self.product_dtype == torch.int8:
-                    self._packed[i, parts] = quantize.prepack(weight, bias)
-                else:
-                    self._packed[i, parts] = onednn.prepack(weight, bias, self.product_dtype)
-            if self.releases_weight and self.product_dtype == self.weight.dtype:
-                self.weight.data = self.weight.new_empty(0)
-                self._packed.update(key=self._key(), released=parts)
+        weights, biases = self.weight.chunk(parts), [None] * parts if self.bias is None else self.bias.chunk(parts)
+        for i, (weight, bias) in enumerate(zip(weights, biases, strict=True)):
+            if self.product_dtype == torch.int8:
+                self._packed[i, parts] = quantize.prepack(weight, bias)
+            else:
+                self._packed[i, parts] = onednn.prepack(weight, bias, self.product_dtype)
+        if self.releases_weight and self.product_dtype == self.weight.dtype:
+            self.weight.data = self.weight.new_empty(0)
+            self._packed.update(key=self._key(), released=parts)
         return self._packed[part, parts]
 
     def _apply(self, fn, *args, **kwargs):
