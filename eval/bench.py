@@ -80,7 +80,7 @@ def arguments():
                         help="also the fast backend with its layer seams the other way: compiled where they are eager "
                         "by default (CPU), eager where compiled (CUDA)")  # fmt: skip
     parser.add_argument("--int8", action="store_true",
-                        help="fp32 rows: also fast with bf16 products and with quantize='int8'")  # fmt: skip
+                        help="fp32 rows: also fast with bf16 products, quantize='int8' and 'int8-static'")  # fmt: skip
     return parser.parse_args()
 
 

@@ -246,13 +246,18 @@ def bf16_products(model) -> Around:
 
 
 def int8_systems(path: str, device: str) -> dict:
-    """The fast backend's other CPU precision levels of an fp32 model, for the fp32 rows: bf16 products, int8."""
+    """The fast backend's other CPU precision levels of an fp32 model, for the fp32 rows: bf16 products, int8
+    (per-token scales) and int8-static (calibrated scales)."""
     from st_fastbackend import SentenceTransformer
 
     def fast(**model_kwargs):
         return SentenceTransformer(path, backend="fast", device=device, model_kwargs=model_kwargs)
 
-    return {"fast_bf16_products": bf16_products(fast()), "fast_int8": fast(quantize="int8")}
+    return {
+        "fast_bf16_products": bf16_products(fast()),
+        "fast_int8": fast(quantize="int8"),
+        "fast_int8_static": fast(quantize="int8-static"),
+    }
 
 
 def seam_systems(name: str) -> dict:

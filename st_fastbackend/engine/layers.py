@@ -3,12 +3,9 @@ computes them (fp32 inside)."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers.activations import ACT2FN
 
 from st_fastbackend.engine import fused, onednn, quantize
 
@@ -28,6 +25,7 @@ class Linear(nn.Linear):
     product_dtype: torch.dtype | None = None
     compiled_passes: bool = True  # int8 only: the engine sets it from quantize.passes_compiled()
     releases_weight: bool = False  # the engine's own layers (no weight shared with another module)
+    input_range: Tensor | None = None  # int8-static: [2, in] min and max per input channel (engine/calibration.py)
     _packed: dict | None = None
 
     def forward(self, x: Tensor) -> Tensor:
@@ -41,18 +39,18 @@ class Linear(nn.Linear):
         """ACT2FN[name](self(x)). Through oneDNN the activation runs inside the product and the result stays
         in the product dtype, which the next product takes."""
         if self._onednn() and self.product_dtype == torch.int8:  # the activation in the pass after the product
-            product = quantize.product(x, self._part(0, 1), _activation(name), self.compiled_passes)
+            product = quantize.product(x, self._part(0, 1), name, self.compiled_passes)
             return product.to(self.weight.dtype)
         if name in onednn.ACTIVATIONS and self._onednn():
             return onednn.product(x, self._part(0, 1), activation=name)
-        return _activation(name)(self(x))
+        return quantize.activation_module(name)(self(x))
 
     def gated(self, x: Tensor, name: str, compiled: bool = False) -> Tensor:
         """ACT2FN[name](gate) * up, where gate and up are the two halves of this layer's outputs (Llama's
         SiLU MLP, Gemma's GELU-tanh MLP, ModernBERT's GeGLU). Through oneDNN both run inside the halves'
         products, the result in the product dtype; else after the product, compiled where asked."""
         if name not in onednn.ACTIVATIONS or not self._onednn() or self.product_dtype == torch.int8:
-            return fused.seams(compiled).gated(self(x), _activation(name))
+            return fused.seams(compiled).gated(self(x), quantize.activation_module(name))
         x = x.to(self.product_dtype)  # once, for both halves
         gate = onednn.product(x, self._part(0, 2), activation=name)
         return onednn.product(x, self._part(1, 2), multiply=gate)
@@ -92,7 +90,7 @@ class Linear(nn.Linear):
         weights, biases = self.weight.chunk(parts), [None] * parts if self.bias is None else self.bias.chunk(parts)
         for i, (weight, bias) in enumerate(zip(weights, biases, strict=True)):
             if self.product_dtype == torch.int8:
-                self._packed[i, parts] = quantize.prepack(weight, bias)
+                self._packed[i, parts] = quantize.prepack(weight, bias, self.input_range)
             else:
                 self._packed[i, parts] = onednn.prepack(weight, bias, self.product_dtype)
         if self.releases_weight and self.product_dtype == self.weight.dtype:
@@ -122,11 +120,6 @@ class Linear(nn.Linear):
         oneDNN's opaque tensors have no storage to pickle; they are rebuilt at the first forward."""
         self.dense_weight()
         return {k: v for k, v in self.__dict__.items() if k != "_packed"}
-
-
-@functools.cache
-def _activation(name: str) -> nn.Module:
-    return ACT2FN[name]  # transformers makes a new module at each lookup
 
 
 class RMSNorm(nn.Module):

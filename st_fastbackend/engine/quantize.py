@@ -12,6 +12,15 @@ slower. Per token, not per tensor: a text's numbers do not depend on the other t
 
 Symmetric on both sides, as in LLM.int8() and SmoothQuant's per-token dynamic W8A8 (Dettmers et al. 2022,
 Xiao et al. 2022): scale = max |row| / 127, q = round(x / scale).
+
+"int8-static" fixes each product's activation scale and zero point ahead of time, from the range of its inputs
+over calibration texts (engine/calibration.py), as OpenVINO's and ONNX Runtime's static int8 do: no per-token
+maximum, and the kernel itself applies both scales, the bias and the activation (no pass after it). Before the
+range is taken, each input channel is divided by SmoothQuant's factor max|x_c|^a / max|W_c|^(1-a) (a = SMOOTHING),
+and the weight's column multiplied by it (the product is unchanged): outlier channels, which a single scale
+per product would otherwise spend its codes on, move into the weight's per-channel scales. The division is in
+the quantize pass (one multiply per element, as the static scale needs anyway). Asymmetric (a zero point) since
+inputs after an activation are mostly positive. A token's codes depend on nothing else in its pack.
 """
 
 from __future__ import annotations
@@ -23,11 +32,13 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
+from transformers.activations import ACT2FN
 
 from st_fastbackend.engine import fused, onednn
 from st_fastbackend.engine.spec import UnsupportedModelError
 
-QUANTIZE = ("int8",)  # the values of model_kwargs["quantize"]
+QUANTIZE = ("int8", "int8-static")  # the values of model_kwargs["quantize"]
+SMOOTHING = 0.65  # SmoothQuant's migration strength a: on MiniLM the smallest error among 0, 0.3, 0.5, 0.6, ..., 0.8
 _SHIFT = 128  # signed int8 -> oneDNN's unsigned activations, as zero point 128
 _TINY = torch.finfo(torch.float32).tiny  # an all-zero row: scale > 0, its codes 0
 
@@ -39,6 +50,21 @@ class QPacked(NamedTuple):
     bias: Tensor | None  # [out] fp32
 
 
+class QStatic(NamedTuple):
+    weight: Tensor  # int8 in oneDNN's layout: the weight with each column times its smoothing factor
+    scale: Tensor
+    zero_points: Tensor
+    bias: Tensor | None
+    inverse: Tensor  # [in] fp32: 1 / (smoothing factor * x_scale), per input channel
+    offset: Tensor  # 0-dim fp32: x_zero + 0.5 (floor(v + 0.5) rounds), a tensor so compiled passes take any
+    x_scale: float  # of the smoothed input, per tensor
+    x_zero: int  # in 0..255
+
+
+# transformers' activation name -> the post-op qlinear_pointwise runs inside the int8 kernel (attribute, algorithm)
+KERNEL_ACTIVATIONS = {name: onednn.ACTIVATIONS[name] for name in ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")}
+
+
 def check_quantize(value: str | None, device: torch.device) -> str | None:
     """model_kwargs["quantize"]: None, or one of QUANTIZE on a CPU whose int8 products this was measured on."""
     if value is None:
@@ -48,7 +74,7 @@ def check_quantize(value: str | None, device: torch.device) -> str | None:
     check_device(device)
     if not int8_supported():
         raise UnsupportedModelError(
-            "quantize='int8' on this CPU (it needs an x86-64 CPU with AVX512-VNNI and PyTorch with oneDNN)"
+            f"quantize={value!r} on this CPU (it needs an x86-64 CPU with AVX512-VNNI and PyTorch with oneDNN)"
         )
     return value
 
@@ -73,11 +99,33 @@ def quantize_weight(weight: Tensor) -> tuple[Tensor, Tensor]:
     return torch.round(weight / scale[:, None]).to(torch.int8), scale
 
 
-def prepack(weight: Tensor, bias: Tensor | None) -> QPacked:
+def prepack(weight: Tensor, bias: Tensor | None, input_range: Tensor | None = None) -> QPacked | QStatic:
+    """For the kernel: per-token scales (QPacked), or static ones from `input_range` [2, in], each input channel's
+    minimum and maximum over the calibration texts (QStatic)."""
+    if input_range is not None:
+        return prepack_static(weight, bias, input_range)
     codes, scale = quantize_weight(weight)
     packed = torch.ops.onednn.qlinear_prepack(codes, [onednn.PREPACK_ROWS, codes.shape[1]])
     bias = None if bias is None else bias.detach().float().contiguous()
     return QPacked(packed, scale, torch.zeros(len(scale), dtype=torch.int64), bias)
+
+
+def static_scales(weight: Tensor, input_range: Tensor) -> tuple[Tensor, float, int]:
+    """(smoothing factor per input channel [in], the smoothed input's scale, its zero point)."""
+    lo, hi = input_range.float()
+    x_max, w_max = torch.maximum(lo.abs(), hi.abs()), weight.detach().float().abs().amax(dim=0)
+    smooth = x_max.pow(SMOOTHING) / w_max.pow(1 - SMOOTHING)
+    smooth = torch.where((x_max > 0) & (w_max > 0), smooth, 1.0)  # a channel never seen, or with zero weights
+    lo, hi = (lo / smooth).min().clamp_max(0).item(), (hi / smooth).max().clamp_min(0).item()  # 0 has a code
+    x_scale = max((hi - lo) / 255, _TINY)
+    return smooth, x_scale, min(255, max(0, round(-lo / x_scale)))
+
+
+def prepack_static(weight: Tensor, bias: Tensor | None, input_range: Tensor) -> QStatic:
+    smooth, x_scale, x_zero = static_scales(weight, input_range)
+    packed = prepack(weight.detach().float() * smooth, bias)
+    offset = torch.tensor(x_zero + 0.5)
+    return QStatic(*packed, inverse=1 / (smooth * x_scale), offset=offset, x_scale=x_scale, x_zero=x_zero)
 
 
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -88,6 +136,12 @@ def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     return torch.floor(x / scale + (_SHIFT + 0.5)).to(torch.uint8), scale
 
 
+def quantize_static(x: Tensor, inverse: Tensor, offset: Tensor) -> Tensor:
+    """round(x_c / (smooth_c * x_scale)) + x_zero, clamped to the codes 0..255 (a value past the calibrated
+    range takes the nearest code): uint8 [T, in]."""
+    return torch.floor(torch.addcmul(offset, x.float(), inverse)).clamp_(0, 255).to(torch.uint8)
+
+
 def dequantize(sums: Tensor, scale: Tensor, bias: Tensor | None, activation: nn.Module | None) -> Tensor:
     """The kernel's output (integer sums times the weight's scales) times each token's scale, plus the bias,
     then the activation where there is one."""
@@ -95,23 +149,43 @@ def dequantize(sums: Tensor, scale: Tensor, bias: Tensor | None, activation: nn.
     return out if activation is None else activation(out)
 
 
-def product(x: Tensor, packed: QPacked, activation: nn.Module | None = None, compiled: bool = True) -> Tensor:
+def product(x: Tensor, packed: QPacked | QStatic, activation: str | None = None, compiled: bool = True) -> Tensor:
     """activation(x @ weight.T + bias) for x [..., in] in any float dtype: fp32 [..., out]. In eager PyTorch the
     passes around the kernel cost more than the int8 product itself; compiled into one kernel each, as the layer
     seams are (engine/fused.py), they pay (eval/RESULTS.md, "2026-12-01 (night) — int8 products"). Packs under
     fused.MIN_TOKENS tokens run them eagerly, as the seams do; `compiled=False` always (passes_compiled, decided
-    at load)."""
+    at load). `activation` is a transformers activation name (config.hidden_act)."""
     shape = x.shape[:-1]
     x = onednn.padded(x.reshape(-1, x.shape[-1]), torch.float32)  # [rows(T), in]
     seams = _seams(compiled and x.shape[0] >= fused.MIN_TOKENS)
+    if isinstance(packed, QStatic):
+        out = _static_product(x, packed, activation, seams)
+        return out[: shape.numel()].unflatten(0, shape)
     codes, scale = seams.quantize_rows(x)
     # (codes, their scale and zero point, weight, its scales and zero points, bias, output scale and zero point,
     # output dtype, post-op): [rows(T), out], sum(codes * weight codes) * weight scale
     sums = torch.ops.onednn.qlinear_pointwise(
         codes, 1.0, _SHIFT, *packed[:3], None, 1.0, 0, torch.float32, "none", [], ""
     )
-    out = seams.dequantize(sums, scale, packed.bias, activation)
+    out = seams.dequantize(sums, scale, packed.bias, None if activation is None else activation_module(activation))
     return out[: shape.numel()].unflatten(0, shape)  # [rows(T), out] -> [..., out]
+
+
+def _static_product(x: Tensor, packed: QStatic, activation: str | None, seams: SimpleNamespace) -> Tensor:
+    """The kernel scales the sums by both scales, adds the bias and applies the activation where oneDNN has it."""
+    codes = seams.quantize_static(x, packed.inverse, packed.offset)
+    attr, algorithm = KERNEL_ACTIVATIONS.get(activation, ("none", "")) if activation else ("none", "")
+    out = torch.ops.onednn.qlinear_pointwise(
+        codes, packed.x_scale, packed.x_zero, *packed[:4], 1.0, 0, torch.float32, attr, [], algorithm
+    )
+    return activation_module(activation)(out) if activation and activation not in KERNEL_ACTIVATIONS else out
+
+
+@functools.cache
+def activation_module(name: str) -> nn.Module:
+    """ACT2FN[name], one module per name (transformers makes a new one at each lookup; a compiled pass takes
+    the same one every time)."""
+    return ACT2FN[name]
 
 
 def passes_compiled() -> bool:
@@ -125,7 +199,9 @@ def _seams(compiled: bool) -> SimpleNamespace:
     """The two passes around the kernel, compiled (once per process, dynamic shapes, failures logged and run
     eagerly: engine/fused.py's wrapper) or eager."""
     wrap = fused._Timed if compiled else (lambda f: f)
-    return SimpleNamespace(quantize_rows=wrap(quantize_rows), dequantize=wrap(dequantize))
+    return SimpleNamespace(
+        quantize_rows=wrap(quantize_rows), dequantize=wrap(dequantize), quantize_static=wrap(quantize_static)
+    )
 
 
 def reference_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -137,4 +213,14 @@ def reference_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     x_codes = torch.floor(x / x_scale + (_SHIFT + 0.5)).long() - _SHIFT  # as quantize_rows rounds
     sums = x_codes @ codes.long().T  # [T, out], exact
     out = sums.double() * x_scale.double() * scale.double()
+    return (out if bias is None else out + bias.double()).float()
+
+
+def reference_static_product(x: Tensor, weight: Tensor, bias: Tensor | None, input_range: Tensor) -> Tensor:
+    """The static product in exact integer arithmetic, for tests."""
+    x = x.reshape(-1, x.shape[-1]).float()
+    smooth, x_scale, x_zero = static_scales(weight, input_range)
+    codes, scale = quantize_weight(weight.detach().float() * smooth)
+    x_codes = torch.floor(x / (smooth * x_scale) + (x_zero + 0.5)).clamp(0, 255).long() - x_zero
+    out = (x_codes @ codes.long().T).double() * x_scale * scale.double()
     return (out if bias is None else out + bias.double()).float()

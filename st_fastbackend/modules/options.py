@@ -13,10 +13,12 @@ from st_fastbackend.engine.spec import UnsupportedModelError
 
 # What sentence-transformers adds to model/processor/config kwargs for the Hub.
 _HUB_KWARGS = {"subfolder", "token", "cache_dir", "revision", "local_files_only", "trust_remote_code"}
-# model_kwargs that do not change the math, and "quantize" (engine/quantize.py checks its value); any other is
-# refused. ("device_map" naming one device: where the weights are read to.)
+# model_kwargs that do not change the math, and "quantize" and "calibration" (engine/quantize.py and
+# engine/calibration.py check their values); any other is refused. ("device_map" naming one device: where the
+# weights are read to.)
 _NEUTRAL_MODEL_KWARGS = _HUB_KWARGS | {
     "quantize",
+    "calibration",
     "dtype",
     "torch_dtype",
     "attn_implementation",

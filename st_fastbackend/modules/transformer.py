@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from st_fastbackend.engine import fused, host_memory, onednn, quantize
 from st_fastbackend.engine.batch import PackedBatch, Tokens
+from st_fastbackend.engine.calibration import calibrate, calibration_texts
 from st_fastbackend.engine.layers import Linear
 from st_fastbackend.engine.prefix import Prefix
 from st_fastbackend.engine.registry import build_engine, family_of
@@ -65,7 +66,7 @@ class PackedTransformer(InputModule):
         # A prompt's states do not depend on what follows it only under causal attention (engine/prefix.py).
         self.reuses_prefix = self.family.causal and self.model.spec.causal
         device = load_device(model_kwargs.get("device_map"))
-        self.quantize = quantize.check_quantize(model_kwargs.get("quantize"), device)  # None or "int8"
+        self.quantize = quantize.check_quantize(model_kwargs.get("quantize"), device)  # None or one of QUANTIZE
         dtype = resolve_dtype(model_kwargs, config, device.type, stored_dtype(self.folder))
         self.config = config
         self.load_checkpoint(device, dtype)
@@ -86,6 +87,9 @@ class PackedTransformer(InputModule):
         if do_lower_case:
             lowercase_input(self.tokenizer)
         self.texts = TextTokenizer(self.tokenizer, *missing_special_tokens(self.folder, self.tokenizer))
+        texts = calibration_texts(model_kwargs, self.quantize)
+        if texts is not None:  # int8-static: each product's input range, from the unquantized model
+            calibrate(self.model, lambda pack: self.forward(self.preprocess(list(pack))), texts)
 
     # -- loading -------------------------------------------------------------------------------
 
