@@ -136,7 +136,9 @@ def main() -> None:
     parser.add_argument("--reference-name", default=None, help="model name in reference_scores.tsv")
     parser.add_argument("--backend", choices=["fast", "torch", "both"], default="both")
     parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=["stsb-test", "sickr", "scifact"])
-    parser.add_argument("--quantize", choices=["int8"], default=None, help="also the fast backend quantized")
+    parser.add_argument(
+        "--quantize", choices=["int8", "int8-static"], default=None, help="also the fast backend, quantized"
+    )
     args = parser.parse_args()
     if not args.data_dir.is_dir():
         raise SystemExit(f"No evaluation data at {args.data_dir}; pass --data-dir or set ST_FASTBACKEND_DATA_DIR.")

@@ -13,6 +13,7 @@ from st_fastbackend.cli.files import CliError
 from st_fastbackend.cli.options import (
     MATMUL_HELP,
     MATMUL_PRECISIONS,
+    QUANTIZE_CHOICES,
     QUANTIZE_HELP,
     add_prompt_options,
     check_model,
@@ -52,7 +53,7 @@ def add_embed_corpus(commands, formatter_class) -> None:
     corpus.add_argument("--max-seq-length", type=positive, default=None, help="truncate inputs to this many tokens")
     corpus.add_argument("--matmul-precision", default=None, choices=MATMUL_PRECISIONS, help=MATMUL_HELP)
     corpus.add_argument("--shard-rows", type=positive, default=10_000, help="rows per output shard")
-    corpus.add_argument("--quantize", default=None, choices=["int8"], help=QUANTIZE_HELP)
+    corpus.add_argument("--quantize", default=None, choices=QUANTIZE_CHOICES, help=QUANTIZE_HELP)
     corpus.add_argument("--output-dtype", default="float32", choices=("float32", "float16"),
                         help="of the embeddings (a sparse model's values, a multi-vector one's vectors)")  # fmt: skip
     corpus.add_argument("--reuse", action="append", default=[], metavar="PREVIOUS_OUT",

@@ -18,7 +18,15 @@ from st_fastbackend.cli.check import add_check, check
 from st_fastbackend.cli.embed_corpus import add_embed_corpus, embed_corpus
 from st_fastbackend.cli.encode import add_encode, encode
 from st_fastbackend.cli.files import CliError
-from st_fastbackend.cli.options import MATMUL_HELP, MATMUL_PRECISIONS, PROG, QUANTIZE_HELP, DefaultsHelp, dtype_name
+from st_fastbackend.cli.options import (
+    MATMUL_HELP,
+    MATMUL_PRECISIONS,
+    PROG,
+    QUANTIZE_CHOICES,
+    QUANTIZE_HELP,
+    DefaultsHelp,
+    dtype_name,
+)
 from st_fastbackend.cli.rerank import add_rerank, rerank
 from st_fastbackend.cli.serve import add_serve, serve
 
@@ -66,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--dtype", type=dtype_name, default=None, metavar="{float32,bfloat16,float16,auto}",
                         help="model dtype (also fp32, bf16, fp16, half); default: the model's own")  # fmt: skip
     common.add_argument("--matmul-precision", default=None, choices=MATMUL_PRECISIONS, help=MATMUL_HELP)
-    common.add_argument("--quantize", default=None, choices=["int8"], help=QUANTIZE_HELP)
+    common.add_argument("--quantize", default=None, choices=QUANTIZE_CHOICES, help=QUANTIZE_HELP)
     common.add_argument("--max-seq-length", type=int, default=None, help="truncate inputs to this many tokens")
     common.add_argument("--debug", action="store_true", help="show the traceback behind an error")
     commands = parser.add_subparsers(dest="command", required=True)

@@ -43,7 +43,11 @@ def positive(value: str) -> int:
     return number
 
 
-QUANTIZE_HELP = "int8: integer products in the Linear layers (CPU with AVX512-VNNI; its error bound: docs/cpu.md)"
+QUANTIZE_CHOICES = ["int8", "int8-static"]  # engine/quantize.QUANTIZE, without importing torch for --help
+QUANTIZE_HELP = (
+    "integer products in the Linear layers, on a CPU with AVX512-VNNI: int8 scales each token's input as it comes, "
+    "int8-static uses scales calibrated at load on built-in texts (faster); error bounds: docs/cpu.md"
+)
 
 
 def model_kwargs(args: argparse.Namespace) -> dict:

@@ -140,3 +140,9 @@ def test_real_minilm_int8_static_keeps_stsb_quality():
     kwargs = {"quantize": "int8-static"}
     model = SentenceTransformer(str(get_model_path()), backend="fast", device="cpu", model_kwargs=kwargs)
     assert abs(sts_spearman(model, TASKS["stsb-test"], DATA_DIR) - 0.8203) <= 0.005
+
+
+def test_the_command_line_offers_every_mode():
+    from st_fastbackend.cli.options import QUANTIZE_CHOICES
+
+    assert list(quantize.QUANTIZE) == QUANTIZE_CHOICES
