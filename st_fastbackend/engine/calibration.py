@@ -2,7 +2,7 @@
 of texts, kept on the layer as `input_range` [2, in] (minimum, maximum) for engine/quantize.py's static scales.
 
 The texts are model_kwargs["calibration"] (a list of strings, what the model will embed is best), else TEXTS:
-sentences, questions and passages of everyday, technical and scientific English of 3 to 120 words, written for
+sentences, questions and passages of everyday, technical and scientific English of 1 to 52 words, written for
 this purpose. The pass runs in PyTorch's own fp32 products, so the ranges are the unquantized model's."""
 
 from __future__ import annotations

@@ -86,7 +86,7 @@ def test_a_tokens_numbers_do_not_depend_on_its_pack():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["bert", "distilbert"])
+@pytest.mark.parametrize("family", ["bert", "distilbert", "mistral"])  # mistral: gated MLP, no biases
 def test_static_model_is_close_calibrated_everywhere_and_batch_invariant(st_model, family):
     path = str(st_model(family, pooling_mode="mean"))
     plain, _ = load_both(path, device="cpu")
