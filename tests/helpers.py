@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from sentence_transformers import SentenceTransformer as PlainSentenceTransformer
+from transformers.activations import ACT2FN
 
 from st_fastbackend import SentenceTransformer
 
@@ -70,3 +71,13 @@ def assert_bf16_error_within_twice_plain(folder, texts):
     assert ours.max() <= 2 * theirs.max()
     assert ours.mean() <= 2 * theirs.mean()
     assert np.abs(fast32.encode(texts) - reference).max() <= 1e-5  # the same folder is exact at fp32
+
+
+def assert_activations_follow_the_product(layer, x, name: str, tolerance: float) -> None:
+    """layer.act(x, name) and layer.gated(x, name) are ACT2FN[name] after layer(x) (and of its two halves)."""
+    with torch.inference_mode():
+        product = layer(x)
+        tol = {"atol": tolerance, "rtol": tolerance}
+        torch.testing.assert_close(layer.act(x, name), ACT2FN[name](product), **tol)
+        gate, up = product.chunk(2, dim=-1)
+        torch.testing.assert_close(layer.gated(x, name), ACT2FN[name](gate) * up, **tol)

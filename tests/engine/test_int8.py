@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import DATA_DIR, REPO, load_both
-from transformers.activations import ACT2FN
+from helpers import DATA_DIR, REPO, assert_activations_follow_the_product, load_both
 
 from st_fastbackend import SentenceTransformer
 from st_fastbackend.engine import fused, quantize
@@ -56,12 +55,7 @@ def test_quantized_codes_are_symmetric_per_row():
 @pytest.mark.parametrize("name", ["gelu", "gelu_pytorch_tanh", "silu"])
 def test_activation_and_gated_forms_follow_the_int8_product(name):
     torch.manual_seed(0)
-    layer, x = int8_linear(64, 96), torch.randn(41, 64)
-    with torch.inference_mode():
-        product = layer(x)
-        torch.testing.assert_close(layer.act(x, name), ACT2FN[name](product), atol=1e-6, rtol=1e-6)
-        gate, up = product.chunk(2, dim=-1)
-        torch.testing.assert_close(layer.gated(x, name), ACT2FN[name](gate) * up, atol=1e-6, rtol=1e-6)
+    assert_activations_follow_the_product(int8_linear(64, 96), torch.randn(41, 64), name, 1e-6)
 
 
 def test_a_tokens_numbers_do_not_depend_on_its_pack():

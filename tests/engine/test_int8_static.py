@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import DATA_DIR, REPO, load_both
-from transformers.activations import ACT2FN
+from helpers import DATA_DIR, REPO, assert_activations_follow_the_product, load_both
 
 from st_fastbackend import SentenceTransformer
 from st_fastbackend.engine import calibration, quantize
@@ -66,12 +65,7 @@ def test_codes_use_the_whole_range_and_zero_is_exact():
 
 @pytest.mark.parametrize("name", ["gelu", "gelu_pytorch_tanh", "relu", "silu"])  # silu: after the kernel
 def test_activations_follow_the_static_product(name):
-    layer, x = static_linear(inputs(300), 96), inputs(41, seed=1)
-    with torch.inference_mode():
-        product = layer(x)
-        torch.testing.assert_close(layer.act(x, name), ACT2FN[name](product), atol=1e-5, rtol=1e-5)
-        gate, up = product.chunk(2, dim=-1)
-        torch.testing.assert_close(layer.gated(x, name), ACT2FN[name](gate) * up, atol=1e-5, rtol=1e-5)
+    assert_activations_follow_the_product(static_linear(inputs(300), 96), inputs(41, seed=1), name, 1e-5)
 
 
 def test_a_tokens_numbers_do_not_depend_on_its_pack():
