@@ -35,19 +35,20 @@ def test_encode_command_with_bf16_products(st_model, texts, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not quantize.int8_supported(), reason="int8 products need AVX512-VNNI and oneDNN")
-def test_quantize_int8_from_the_command_line(st_model, texts, tmp_path, capsys):
-    """--quantize int8 gives model_kwargs={"quantize": "int8"}'s embeddings; a corpus folder written with it
+@pytest.mark.parametrize("mode", ["int8", "int8-static"])
+def test_quantize_int8_from_the_command_line(st_model, texts, tmp_path, capsys, mode):
+    """--quantize MODE gives model_kwargs={"quantize": MODE}'s embeddings; a corpus folder written with it
     does not take a resume without it (other numbers)."""
     folder = st_model("bert", pooling_mode="mean")
     lines = [t for t in texts if t]
     (tmp_path / "in.txt").write_text("\n".join(lines) + "\n")
     main(["encode", str(folder), "--input", str(tmp_path / "in.txt"), "--output", str(tmp_path / "out.npy"),
-          "--quantize", "int8"])  # fmt: skip
-    int8 = SentenceTransformer(str(folder), backend="fast", device="cpu", model_kwargs={"quantize": "int8"})
+          "--quantize", mode])  # fmt: skip
+    int8 = SentenceTransformer(str(folder), backend="fast", device="cpu", model_kwargs={"quantize": mode})
     np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), int8.encode(lines))
     (tmp_path / "in.jsonl").write_text('{"id": 1, "text": "one text"}\n{"id": 2, "text": "another text"}\n')
     job = ["embed-corpus", str(tmp_path / "in.jsonl"), str(tmp_path / "out"), "--model", str(folder)]
-    main([*job, "--quantize", "int8"])
+    main([*job, "--quantize", mode])
     capsys.readouterr()
     with pytest.raises(SystemExit):
         main(job)

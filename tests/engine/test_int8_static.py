@@ -136,6 +136,35 @@ def test_real_minilm_int8_static_keeps_stsb_quality():
     assert abs(sts_spearman(model, TASKS["stsb-test"], DATA_DIR) - 0.8203) <= 0.005
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["cross-encoder", "splade", "colbert"])
+def test_every_model_class_takes_int8_static(kind, texts, tmp_path):
+    """CrossEncoder, SparseEncoder and MultiVectorEncoder calibrate their engine the same way (on single texts)."""
+    from builders import build_cross_encoder
+    from hybrid_builders import build_colbert, build_splade
+
+    from st_fastbackend import CrossEncoder, MultiVectorEncoder, SparseEncoder
+
+    build, cls = {"cross-encoder": (lambda f: build_cross_encoder(f, "bert"), CrossEncoder),
+                  "splade": (lambda f: build_splade(f, "bert"), SparseEncoder),
+                  "colbert": (build_colbert, MultiVectorEncoder)}[kind]  # fmt: skip
+    folder, some = str(build(tmp_path / kind)), [t for t in texts if t][:6]
+    models = [
+        cls(folder, backend="fast", device="cpu", model_kwargs=kwargs) for kwargs in ({}, {"quantize": "int8-static"})
+    ]
+    assert all(layer.input_range is not None for layer in models[1][0].model.modules() if isinstance(layer, Linear))
+    if kind == "cross-encoder":
+        exact, quantized = (
+            m.predict(list(zip(some, some[::-1], strict=True)), activation_fn=torch.nn.Identity()) for m in models
+        )
+    elif kind == "splade":
+        exact, quantized = (m.encode(some, convert_to_tensor=True).to_dense().numpy() for m in models)
+    else:
+        exact, quantized = (np.concatenate(m.encode(some)) for m in models)
+    scale = np.abs(exact).max()
+    assert 1e-6 * scale < np.abs(quantized - exact).max() < 5e-2 * scale
+
+
 def test_the_command_line_offers_every_mode():
     from st_fastbackend.cli.options import QUANTIZE_CHOICES
 
