@@ -128,5 +128,4 @@ def calibrate(model: nn.Module, run: Callable[[Sequence[str]], None], texts: Seq
             layer.product_dtype = product
     for layer in layers:
         layer.input_range = ranges.get(layer)
-        layer.dense_weight()  # a weight given back to a reordered copy returns before the copies go
-        layer._packed = None  # made again with the ranges at the next product
+        layer.drop_copies()  # made again with the ranges at the next product

@@ -65,6 +65,12 @@ class Linear(nn.Linear):
             self._packed = None  # copies of the released weight; made again at the next product
         return self.weight
 
+    def drop_copies(self) -> None:
+        """Forget the reordered copies (the weight rebuilt first if a copy held it): made again at the next product,
+        from the weight and `input_range` as they are then."""
+        self.dense_weight()
+        self._packed = None
+
     def _onednn(self) -> bool:
         return self.product_dtype is not None and not torch.is_grad_enabled()
 
@@ -101,8 +107,7 @@ class Linear(nn.Linear):
     def _apply(self, fn, *args, **kwargs):
         """.to(device), .to(dtype), .half(): on the dense weight; the copies belong to the old one (the engine
         sets `product_dtype` again for its new runtime)."""
-        self.dense_weight()
-        self._packed = None
+        self.drop_copies()
         return super()._apply(fn, *args, **kwargs)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:

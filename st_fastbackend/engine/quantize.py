@@ -174,7 +174,7 @@ def product(x: Tensor, packed: QPacked | QStatic, activation: str | None = None,
 def _static_product(x: Tensor, packed: QStatic, activation: str | None, seams: SimpleNamespace) -> Tensor:
     """The kernel scales the sums by both scales, adds the bias and applies the activation where oneDNN has it."""
     codes = seams.quantize_static(x, packed.inverse, packed.offset)
-    attr, algorithm = KERNEL_ACTIVATIONS.get(activation, ("none", "")) if activation else ("none", "")
+    attr, algorithm = KERNEL_ACTIVATIONS.get(activation, ("none", ""))  # None or another: after the kernel
     out = torch.ops.onednn.qlinear_pointwise(
         codes, packed.x_scale, packed.x_zero, *packed[:4], 1.0, 0, torch.float32, attr, [], algorithm
     )
