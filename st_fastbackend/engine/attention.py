@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from st_fastbackend.engine import onednn
+from st_fastbackend.engine import cpu_kernel, onednn
 from st_fastbackend.engine.batch import PackedBatch
 from st_fastbackend.engine.runtime import Runtime
 from st_fastbackend.engine.spec import UnsupportedModelError
@@ -111,6 +111,10 @@ def sdpa_attention(
     too (PyTorch's fp32 kernel slows down 4x under that setting here)."""
     dtype, products = q.dtype, runtime.product_dtype or q.dtype
     q, k, v = q.to(products), k.to(products), v.to(products)
+    if prefix is None and batch.attended is None and not window_cuts(window, batch.max_seqlen):
+        out = _amx_attention(q, k, v, batch, causal, scale)
+        if out is not None:
+            return out.to(dtype)
     if not runtime.grouped_heads:
         k, v = _repeat_kv(k, v, q.shape[1])
     before, prefix_k, prefix_v = 0, None, None
@@ -140,6 +144,20 @@ def sdpa_attention(
         out[start:end].view(count, length, q.shape[1], q.shape[2]).copy_(oi.transpose(1, 2))  # -> [n, L, H, D]
         start = end
     return out.to(dtype)
+
+
+def _amx_attention(q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch, causal: bool, scale: float | None):
+    """The whole pack in one call of our AMX kernel (engine/cpu_kernel.py) where attention runs in bf16 on a
+    CPU that has it and the head size is a multiple of 16; else None."""
+    if q.dtype != torch.bfloat16 or q.device.type != "cpu" or q.shape[-1] % 16:
+        return None
+    kernel = cpu_kernel.amx_attention()
+    if kernel is None:
+        return None
+    q, k, v = (t if t.stride(1) == t.shape[-1] and t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    out = onednn.with_room(q.shape, q)
+    kernel(q, k, v, out, batch.cu_seqlens, q.shape[-1] ** -0.5 if scale is None else scale, causal, cpu_kernel.BLOCK)
+    return out
 
 
 def _repeat_kv(k: Tensor, v: Tensor, num_heads: int) -> tuple[Tensor, Tensor]:
