@@ -34,7 +34,7 @@ suite() {
                     test_cuda_path.py test_mteb.py test_quality.py test_integrations.py test_cli.py test_cli_errors.py
                     test_serve_guard.py test_serve_connections.py test_sentence_transformers_hooks.py
                     test_layouts.py test_int8.py test_int8_static.py test_chunking.py test_cross_encoder_serve.py
-                    test_host_memory.py)
+                    test_host_memory.py test_cpu_attention.py)
     local skip=" ${cpu_only[*]} " module
     for module in "${first[@]}" $(find tests -name "test_*.py" -printf "%f\n" | sort); do
         case "$skip" in *" $module "*) ;; *) skip+="$module "; find tests -name "$module";; esac

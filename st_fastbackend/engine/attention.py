@@ -112,7 +112,7 @@ def sdpa_attention(
     dtype, products = q.dtype, runtime.product_dtype or q.dtype
     q, k, v = q.to(products), k.to(products), v.to(products)
     if prefix is None and batch.attended is None and not window_cuts(window, batch.max_seqlen):
-        out = _amx_attention(q, k, v, batch, causal, scale)
+        out = _kernel_attention(q, k, v, batch, causal, scale)
         if out is not None:
             return out.to(dtype)
     if not runtime.grouped_heads:
@@ -146,12 +146,10 @@ def sdpa_attention(
     return out.to(dtype)
 
 
-def _amx_attention(q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch, causal: bool, scale: float | None):
-    """The whole pack in one call of our AMX kernel (engine/cpu_kernel.py) where attention runs in bf16 on a
-    CPU that has it and the head size is a multiple of 16; else None."""
-    if q.dtype != torch.bfloat16 or q.device.type != "cpu" or q.shape[-1] % 16:
-        return None
-    kernel = cpu_kernel.amx_attention()
+def _kernel_attention(q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch, causal: bool, scale: float | None):
+    """The whole pack in one call of our CPU kernel (engine/cpu_kernel.py) where it runs this dtype and the head
+    size is a multiple of 16; else None."""
+    kernel = cpu_kernel.attention_for(q.dtype) if q.device.type == "cpu" and q.shape[-1] % 16 == 0 else None
     if kernel is None:
         return None
     q, k, v = (t if t.stride(1) == t.shape[-1] and t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
