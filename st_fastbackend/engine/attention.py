@@ -1,4 +1,4 @@
-"""One attention function over packed sequences, three kernels behind the same signature.
+"""One attention function over packed sequences, four kernels behind the same signature.
 
 q: [T, Hq, D], k and v: [T, Hkv, D] (grouped-query: Hq is a multiple of Hkv) -> [T, Hq, D].
 `window`: a query sees the keys of its sequence less than `window` positions away. Causal, that is
@@ -18,7 +18,7 @@ from torch import Tensor
 
 from st_fastbackend.engine import cpu_kernel, onednn
 from st_fastbackend.engine.batch import PackedBatch
-from st_fastbackend.engine.runtime import Runtime
+from st_fastbackend.engine.runtime import VARLEN_KERNELS, Runtime
 from st_fastbackend.engine.spec import UnsupportedModelError
 
 
@@ -82,13 +82,13 @@ def window_cuts(window: int | None, longest_keys: int) -> bool:
 
 
 def kernel_takes(q: Tensor, runtime: Runtime, cuts: bool, longer_keys: bool = False) -> bool:
-    """Whether the runtime's varlen kernel computes this attention: it is not the SDPA loop, it has a window where
+    """Whether the runtime's varlen kernel computes this attention: it is a GPU's varlen kernel, it has a window where
     the window cuts, it takes the head size (mha_varlen_fwd: at most 256, and a multiple of 8 under PyTorch's
     varlen_attn; flash-attn's Python function pads other sizes itself), and where the keys are longer than the
     queries it aligns them with the keys' end."""
     head_dim = q.shape[-1]
     return (
-        runtime.kernel != "sdpa_loop"
+        runtime.kernel in VARLEN_KERNELS
         and (runtime.window or not cuts)
         and head_dim <= 256
         and (head_dim % 8 == 0 or runtime.kernel == "flash_attn")
@@ -100,7 +100,9 @@ def sdpa_attention(
     q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch, *, causal: bool, window: int | None, runtime: Runtime,
     scale: float | None = None, prefix: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:  # fmt: skip
-    """Attention through SDPA, one call per run of adjacent equal-length sequences (packs are sorted by
+    """Our CPU kernel's one call for the whole pack where the runtime has it and it takes this attention (no prefix,
+    no unattended tokens, no window that cuts, a head size that is a multiple of 16: engine/cpu_kernel.py); else
+    attention through SDPA, one call per run of adjacent equal-length sequences (packs are sorted by
     length, so runs are long): [n*L, H, D] is viewed as [n, H, L, D] without a copy; 4-D inputs reach
     PyTorch's flash kernel for the CPU, 3-D inputs would fall back to the slower math kernel.
 
@@ -111,7 +113,9 @@ def sdpa_attention(
     too (PyTorch's fp32 kernel slows down 4x under that setting here)."""
     dtype, products = q.dtype, runtime.product_dtype or q.dtype
     q, k, v = q.to(products), k.to(products), v.to(products)
-    if prefix is None and batch.attended is None and not window_cuts(window, batch.max_seqlen):
+    if runtime.kernel == "cpu_kernel" and prefix is None and batch.attended is None and not window_cuts(
+        window, batch.max_seqlen
+    ):
         out = _kernel_attention(q, k, v, batch, causal, scale)
         if out is not None:
             return out.to(dtype)

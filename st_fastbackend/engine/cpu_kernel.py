@@ -4,8 +4,9 @@ without a prefix, unattended tokens or a window that cuts: one parallel region p
 equal lengths, q.k and p.v through PyTorch's own cpublas::brgemm (oneDNN), the softmax in fp32 (eval/RESULTS.md,
 "2026-12-06 — one attention kernel per layer on the CPU").
 
-Built at first use by torch.utils.cpp_extension (a C++ compiler and ninja), cached under TORCH_EXTENSIONS_DIR and
-keyed by the source, this PyTorch and this CPU's flags (it is built with -march=native). Where it cannot be built
+Built at first use by torch.utils.cpp_extension (a C++ compiler and ninja; ~30 s), cached under TORCH_EXTENSIONS_DIR
+(default ~/.cache/torch_extensions) in a folder keyed by the source, this PyTorch and Python and this CPU's flags
+(it is built with -march=native). Where it cannot be built
 the SDPA loop runs, after one warning that says why; ST_FASTBACKEND_CPU_KERNEL=0 turns it off.
 """
 
@@ -15,6 +16,8 @@ import functools
 import hashlib
 import logging
 import os
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "attention.cpp"
 BLOCK = 64  # query rows per q.k product: 32 to 128 measured within 5% of each other
+STALE_LOCK_SECONDS = 600
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
 
 
@@ -46,16 +50,36 @@ def attention_for(dtype: torch.dtype) -> Callable | None:
 def _build() -> Callable | None:
     from torch.utils import cpp_extension
 
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode()).hexdigest()[:12]
+    source = SOURCE.read_bytes()
+    identity = source + f"{torch.__version__} {sys.version} {_cpu_flags()}".encode()
+    name = f"st_fastbackend_attention_{hashlib.sha256(identity).hexdigest()[:12]}"
+    folder = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()) / name
     try:
+        folder.mkdir(parents=True, exist_ok=True)
+        copy = folder / SOURCE.name  # one path for every checkout: ninja rebuilds where a path changes
+        if not copy.exists() or copy.read_bytes() != source:
+            copy.write_bytes(source)
+        _clear_stale_lock(folder / "lock")
         module = cpp_extension.load(
-            f"st_fastbackend_attention_{key}", [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"]
+            name, [str(copy)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(folder)
         )
-    except Exception as error:  # no compiler, no ninja, a PyTorch without these headers
+    except Exception as error:  # no compiler, no ninja, a PyTorch without these headers, a read-only cache
         reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
         logger.warning("The CPU attention kernel could not be built (%s); attention runs through SDPA", reason)
         return None
     return module.attention
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    """A build killed half-way leaves cpp_extension's lock file behind, and every later load would wait on it
+    forever: one older than STALE_LOCK_SECONDS (a build takes ~30 s) is removed."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        logger.warning("Removing %s, left %.0f s ago by a build that did not finish", lock, age)
+        lock.unlink(missing_ok=True)
 
 
 def _cpu_flags() -> str:

@@ -17,8 +17,9 @@ flash-attn's `flash_attn_varlen_func` (read from each release's flash_attn_inter
   2.4-2.8  (..., window_size, [softcap,] alibi_slopes, deterministic, return_attn_probs[, block_table])
 Only one fact is not in a signature: before 2.1 a causal mask with more keys than queries was aligned with the
 keys' start, from 2.1 with their end ("aligned to the bottom right corner"), so the version says that one.
-Both flash kernels take fp16/bf16 only, and only on Ampere or newer GPUs; elsewhere attention runs through
-exact SDPA, one call per run of equal-length sequences.
+Both flash kernels take fp16/bf16 only, and only on Ampere or newer GPUs. A CPU with AVX-512 runs our own kernel
+(engine/cpu_kernel.py: fp32, and bf16 where it has AMX); elsewhere, and for what that kernel does not take,
+attention runs through exact SDPA, one call per run of equal-length sequences.
 """
 
 from __future__ import annotations
@@ -31,11 +32,13 @@ from typing import Any, Literal
 
 import torch
 
+from st_fastbackend.engine import cpu_kernel
 from st_fastbackend.engine.spec import FP16_OVERFLOWS, UnsupportedModelError
 
 logger = logging.getLogger(__name__)
-Kernel = Literal["flash_attn", "torch_varlen", "sdpa_loop"]
+Kernel = Literal["flash_attn", "torch_varlen", "cpu_kernel", "sdpa_loop"]
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+VARLEN_KERNELS = ("flash_attn", "torch_varlen")  # a whole pack per call, on a GPU
 VARLEN_DEVICES = ("cuda",)  # where the flash kernels exist (tests add "cpu" to run stand-ins of them)
 
 
@@ -55,7 +58,8 @@ class Runtime:
     def __str__(self) -> str:
         names = ("grouped_heads", "window", "is_causal", "scale", "longer_keys")
         missing = [name for name in names if not getattr(self, name)]
-        kernel = self.kernel + (f" (without {', '.join(missing)})" if missing and self.kernel != "sdpa_loop" else "")
+        varlen = self.kernel in VARLEN_KERNELS
+        kernel = self.kernel + (f" (without {', '.join(missing)})" if missing and varlen else "")
         products = f"oneDNN in {self.product_dtype}" if self.product_dtype else f"PyTorch's in {self.dtype}"
         seams = "compiled" if self.fused else "eager"
         return f"attention {kernel}; model in {self.dtype}; matrix products {products}; layer seams {seams}"
@@ -95,7 +99,7 @@ def choose_runtime(
     # PyTorch's CPU flash kernel takes grouped heads; on CUDA the memory-efficient SDPA kernel (fp32,
     # masks) does not, and grouped heads would send it to the math kernel: repeat k/v there.
     return Runtime(
-        "sdpa_loop",
+        "cpu_kernel" if device_type == "cpu" and cpu_kernel.attention_for(product_dtype or dtype) else "sdpa_loop",
         grouped_heads=device_type == "cpu",
         window=True,
         is_causal=True,

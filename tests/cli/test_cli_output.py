@@ -6,10 +6,12 @@ import json
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+import torch
 from helpers import DEVICE
 
 from st_fastbackend import SentenceTransformer
 from st_fastbackend.cli import main
+from st_fastbackend.engine.runtime import choose_runtime
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +56,8 @@ def test_each_format_holds_the_embeddings(folder, model, lines, tmp_path, output
     summary = capsys.readouterr().err.strip().splitlines()[-1]
     tokens = sum(len(ids) for ids in model.tokenizer(lines, truncation=True, max_length=256)["input_ids"])
     assert summary.startswith(f"{len(lines)} texts, {tokens} tokens in ") and " tokens/s); " in summary
-    assert summary.endswith(f"weights float32, products float32, attention sdpa_loop -> {path} (12, 64)")
+    kernel = choose_runtime("cpu", torch.float32).kernel
+    assert summary.endswith(f"weights float32, products float32, attention {kernel} -> {path} (12, 64)")
 
 
 OPTIONS = [

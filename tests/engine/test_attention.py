@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers import DEVICE
 
+from st_fastbackend.engine import cpu_kernel
 from st_fastbackend.engine.attention import varlen_attention
 from st_fastbackend.engine.batch import PackedBatch
 from st_fastbackend.engine.runtime import Runtime, choose_runtime
@@ -66,10 +67,12 @@ def test_symmetric_window_rule():
     torch.testing.assert_close(out[:, 0], visible / visible.sum(1, keepdim=True))
 
 
-def test_fp32_and_cpu_use_the_sdpa_loop():
-    """Flash kernels take fp16/bf16 only: fp32 runs through SDPA on a GPU too (choosing touches no GPU)."""
+def test_fp32_and_cpu_use_the_sdpa_loop_or_our_cpu_kernel():
+    """Flash kernels take fp16/bf16 only: fp32 runs through SDPA on a GPU too (choosing touches no GPU); a CPU runs
+    our kernel for the dtypes it has here (engine/cpu_kernel.py), SDPA for the rest."""
     for device_type, dtype in [("cpu", torch.float32), ("cpu", torch.bfloat16), ("cuda", torch.float32)]:
-        assert choose_runtime(device_type, dtype).kernel == "sdpa_loop"
+        ours = device_type == "cpu" and dtype in cpu_kernel.dtypes()
+        assert choose_runtime(device_type, dtype).kernel == ("cpu_kernel" if ours else "sdpa_loop")
     assert choose_runtime("cuda", torch.float32).grouped_heads is False  # k/v repeated for CUDA's SDPA kernels
 
 

@@ -3,6 +3,9 @@ SDPA loop is; bf16 (AMX) as close to it as PyTorch's own bf16 kernel; a sequence
 in any pack; strided heads as the fused q/k/v product gives them; what it refuses and what goes to the loop; in
 whole models."""
 
+import os
+import time
+
 import pytest
 import torch
 from helpers import TOLERANCE, load_both, max_diff, one_minus_cosine
@@ -115,12 +118,13 @@ def test_refuses_what_it_does_not_compute():
 
 
 def test_the_sdpa_loop_takes_what_the_kernel_does_not(monkeypatch):
-    """Head sizes not a multiple of 16, a window that cuts, a dtype the kernel does not run here: the loop."""
+    """Head sizes not a multiple of 16, a window that cuts, a dtype the kernel does not run here, a runtime
+    without the kernel: the loop."""
     calls = []
     monkeypatch.setattr(cpu_kernel, "attention_for", lambda dtype: (lambda *args: calls.append(args)) if dtype in (
         torch.float32, torch.bfloat16) else None)  # fmt: skip
     batch = PackedBatch.from_sequences([[0] * 9, [0] * 5])
-    runtime = Runtime("sdpa_loop", grouped_heads=True, window=True, is_causal=True, dtype=torch.float32)
+    runtime = Runtime("cpu_kernel", grouped_heads=True, window=True, is_causal=True, dtype=torch.float32)
     for q, k, v, window in (
         (*random_qkv(14, 2, 2, 24, torch.float32), None),
         (*random_qkv(14, 2, 2, 32, torch.float16), None),
@@ -130,6 +134,9 @@ def test_the_sdpa_loop_takes_what_the_kernel_does_not(monkeypatch):
     assert calls == []
     attention.sdpa_attention(*random_qkv(14, 2, 2, 32, torch.float32), batch, causal=True, window=9, runtime=runtime)
     assert len(calls) == 1  # a window longer than every sequence cuts nothing
+    loop = Runtime("sdpa_loop", grouped_heads=True, window=True, is_causal=True, dtype=torch.float32)
+    attention.sdpa_attention(*random_qkv(14, 2, 2, 32, torch.float32), batch, causal=True, window=None, runtime=loop)
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize("family", ["bert", "mistral"])
@@ -152,3 +159,16 @@ def test_bf16_models_through_the_kernel_and_the_loop_agree(st_model, texts, fami
     loop = model.encode(texts)
     assert max_diff(ours, loop) > 0
     assert one_minus_cosine(ours, loop).max() < 2e-3
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_and_a_live_one_kept(tmp_path):
+    """cpp_extension waits on its lock file forever: one older than any build is cleared before loading."""
+    lock = tmp_path / "lock"
+    lock.touch()
+    cpu_kernel._clear_stale_lock(lock)
+    assert lock.exists()  # a build under way
+    old = time.time() - cpu_kernel.STALE_LOCK_SECONDS - 1
+    os.utime(lock, (old, old))
+    cpu_kernel._clear_stale_lock(lock)
+    assert not lock.exists()
+    cpu_kernel._clear_stale_lock(lock)  # none: nothing to do

@@ -14,7 +14,7 @@ from transfers import HostToDevice
 from st_fastbackend.engine.attention import sdpa_attention
 from st_fastbackend.engine.batch import PackedBatch
 from st_fastbackend.engine.layers import Rotary
-from st_fastbackend.engine.runtime import Runtime
+from st_fastbackend.engine.runtime import VARLEN_KERNELS, Runtime
 
 pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the stand-ins replace the CUDA kernels on the CPU")
 SDPA_LOOP = Runtime("sdpa_loop", grouped_heads=True, window=True, is_causal=True, dtype=torch.float32)
@@ -80,7 +80,7 @@ def test_fp32_never_reaches_a_flash_kernel_and_stays_exact(standin, plain_embedd
     standin("torch 2.11")  # the release on the project's GPU machine
     folder, reference, _ = plain_embeddings(case)
     _, fast = load_both(folder)
-    assert fast[0].attention_kernel == "sdpa_loop"
+    assert fast[0].attention_kernel not in VARLEN_KERNELS
     assert max_diff(reference, fast.encode(case_texts, batch_size=8)) <= TOLERANCE
     assert kernel_standins.Calls.count == 0
 
