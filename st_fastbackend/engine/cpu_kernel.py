@@ -6,8 +6,8 @@ equal lengths, q.k and p.v through PyTorch's own cpublas::brgemm (oneDNN), the s
 
 Built at first use by torch.utils.cpp_extension (a C++ compiler and ninja; ~30 s), cached under TORCH_EXTENSIONS_DIR
 (default ~/.cache/torch_extensions) in a folder keyed by the source, this PyTorch and Python and this CPU's flags
-(it is built with -march=native). Where it cannot be built
-the SDPA loop runs, after one warning that says why; ST_FASTBACKEND_CPU_KERNEL=0 turns it off.
+(it is built with -march=native). Where it cannot be built the SDPA loop runs, after one warning that says why;
+ST_FASTBACKEND_CPU_KERNEL=0 turns it off.
 """
 
 from __future__ import annotations
