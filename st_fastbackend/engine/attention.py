@@ -153,7 +153,7 @@ def sdpa_attention(
 def _kernel_attention(q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch, causal: bool, scale: float | None):
     """The whole pack in one call of our CPU kernel (engine/cpu_kernel.py) where it runs this dtype and the head
     size is a multiple of 16; else None."""
-    kernel = cpu_kernel.attention_for(q.dtype) if q.device.type == "cpu" and q.shape[-1] % 16 == 0 else None
+    kernel = cpu_kernel.attention_for(q.dtype) if q.shape[-1] % 16 == 0 else None  # the runtime's: a CPU
     if kernel is None:
         return None
     q, k, v = (t if t.stride(1) == t.shape[-1] and t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))

@@ -31,9 +31,10 @@ STALE_LOCK_SECONDS = 600
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
 
 
+@functools.cache
 def dtypes() -> tuple[torch.dtype, ...]:
     """What the kernel runs here: fp32 where PyTorch runs its AVX-512 kernels (ATEN_CPU_CAPABILITY may lower them),
-    bf16 too where the CPU has AMX tiles for it."""
+    bf16 too where the CPU has AMX tiles for it. Read once per process (attention asks at every layer)."""
     if os.environ.get("ST_FASTBACKEND_CPU_KERNEL") == "0" or torch.backends.cpu.get_cpu_capability() != "AVX512":
         return ()
     amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()

@@ -110,6 +110,9 @@ def test_refuses_what_it_does_not_compute():
         ((q[..., :24], k[..., :24], v[..., :24], torch.empty_like(q[..., :24]), cu), "multiple of 16"),
         ((q, k, v, torch.empty_like(q), cu.long()), "int32 cu_seqlens"),
         ((q, k, v, torch.empty_like(q), torch.tensor([0, 9], dtype=torch.int32)), "within the tokens"),
+        ((q, k[:7], v, torch.empty_like(q), cu), "within the tokens"),  # keys shorter than the queries
+        ((q, k, v, torch.empty_like(q), torch.tensor([1, 8], dtype=torch.int32)), "from 0"),
+        ((q, k, v, torch.empty_like(q), torch.tensor([0, 5, 3], dtype=torch.int32)), "in order"),
         ((q, k[:, :1].expand(8, 3, 32), v, torch.empty_like(q), cu), "multiple of key heads"),
     ]
     for args, message in cases:

@@ -98,11 +98,9 @@ float softmax_row(float* s, int64_t keys, int64_t width, float scale, T* p) {
 
 template <typename T>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, const int32_t* cu,
-            int64_t sequences, float scale, bool causal, int64_t block) {
+            int64_t sequences, int64_t longest, float scale, bool causal, int64_t block) {
   constexpr bool reduced = std::is_same_v<T, BFloat16>;
   const int64_t hq = q.size(1), hkv = k.size(1), d = q.size(2), group = hq / hkv, items = sequences * hq;
-  int64_t longest = 0;
-  for (int64_t b = 0; b < sequences; b++) longest = std::max<int64_t>(longest, cu[b + 1] - cu[b]);
   const int64_t room = longest + 1;
   const T *Q = q.data_ptr<T>(), *K = k.data_ptr<T>(), *V = v.data_ptr<T>();
   T* O = out.data_ptr<T>();
@@ -159,13 +157,18 @@ void attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at
   TORCH_CHECK(block > 0, "a positive block of query rows");
   const int32_t* cu = cu_seqlens.data_ptr<int32_t>();
   const int64_t sequences = cu_seqlens.size(0) - 1;
-  TORCH_CHECK(sequences >= 0 && cu[0] == 0 && cu[sequences] <= q.size(0) && cu[sequences] <= out.size(0),
-              "cu_seqlens within the tokens");
-  for (int64_t b = 0; b < sequences; b++) TORCH_CHECK(cu[b + 1] >= cu[b], "cu_seqlens in order");
+  TORCH_CHECK(sequences >= 0 && cu[0] == 0, "cu_seqlens from 0");
+  for (const at::Tensor* t : {&q, &k, &v, static_cast<const at::Tensor*>(&out)})
+    TORCH_CHECK(cu[sequences] <= t->size(0), "cu_seqlens within the tokens");
+  int64_t longest = 0;
+  for (int64_t b = 0; b < sequences; b++) {
+    TORCH_CHECK(cu[b + 1] >= cu[b], "cu_seqlens in order");
+    longest = std::max<int64_t>(longest, cu[b + 1] - cu[b]);
+  }
   if (dtype == at::kFloat)
-    attend<float>(q, k, v, out, cu, sequences, static_cast<float>(scale), causal, block);
+    attend<float>(q, k, v, out, cu, sequences, longest, static_cast<float>(scale), causal, block);
   else
-    attend<BFloat16>(q, k, v, out, cu, sequences, static_cast<float>(scale), causal, block);
+    attend<BFloat16>(q, k, v, out, cu, sequences, longest, static_cast<float>(scale), causal, block);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
