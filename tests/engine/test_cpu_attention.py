@@ -16,7 +16,7 @@ from st_fastbackend.engine import attention, cpu_kernel
 from st_fastbackend.engine.batch import PackedBatch
 from st_fastbackend.engine.runtime import Runtime
 
-pytestmark = pytest.mark.skipif(not cpu_kernel.dtypes(), reason="needs an x86-64 CPU with AVX-512 (the kernel's home)")
+pytestmark = pytest.mark.skipif(not cpu_kernel.dtypes(), reason="needs an x86-64 CPU with AVX2 or AVX-512")
 needs_amx = pytest.mark.skipif(torch.bfloat16 not in cpu_kernel.dtypes(), reason="bf16 needs a CPU with AMX-BF16")
 DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=needs_amx)]
 LENGTHS = [257, 130, 65, 64, 64, 63, 31, 17, 2, 1]  # past one and two blocks of 64 query rows, odd key counts
@@ -58,14 +58,16 @@ def random_qkv(tokens, heads, kv_heads, head_dim, dtype):
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "causal"), SHAPES)
 @pytest.mark.parametrize("scale", [None, 0.3])
 def test_fp32_is_as_exact_as_the_sdpa_loop(heads, kv_heads, head_dim, causal, scale, monkeypatch):
-    """Within fp32 rounding of float64 attention: as close as PyTorch's fp32 kernel is (its error grows with the
-    logits: up to 2e-05 here where q.k reaches ~100)."""
+    """Within fp32 rounding of float64 attention: as close on average as PyTorch's fp32 kernel is (its error grows
+    with the logits: up to 2e-05 here where q.k reaches ~100). The single worst element is within 2x of the loop's:
+    two fp32 summation orders (oneDNN's brgemm, the loop's BLAS) each have their own worst element."""
     q, k, v = random_qkv(sum(LENGTHS), heads, kv_heads, head_dim, torch.float32)
     exact = dense_reference(q, k, v, LENGTHS, causal, None, scale)
-    ours = (run_kernel(q, k, v, LENGTHS, causal, scale).double() - exact).abs().max()
-    pytorch = (sdpa_loop(q, k, v, LENGTHS, causal, scale, monkeypatch).double() - exact).abs().max()
-    assert ours <= 1.1 * pytorch + 1e-7, (ours, pytorch)
-    assert ours < 3e-5
+    ours = (run_kernel(q, k, v, LENGTHS, causal, scale).double() - exact).abs()
+    pytorch = (sdpa_loop(q, k, v, LENGTHS, causal, scale, monkeypatch).double() - exact).abs()
+    assert ours.mean() <= 1.1 * pytorch.mean(), (ours.mean(), pytorch.mean())
+    assert ours.max() <= 2 * pytorch.max() + 1e-7, (ours.max(), pytorch.max())
+    assert ours.max() < 3e-5
 
 
 @needs_amx
