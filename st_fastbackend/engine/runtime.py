@@ -17,8 +17,8 @@ flash-attn's `flash_attn_varlen_func` (read from each release's flash_attn_inter
   2.4-2.8  (..., window_size, [softcap,] alibi_slopes, deterministic, return_attn_probs[, block_table])
 Only one fact is not in a signature: before 2.1 a causal mask with more keys than queries was aligned with the
 keys' start, from 2.1 with their end ("aligned to the bottom right corner"), so the version says that one.
-Both flash kernels take fp16/bf16 only, and only on Ampere or newer GPUs. A CPU with AVX-512 runs our own kernel
-(engine/cpu_kernel.py: fp32, and bf16 where it has AMX); elsewhere, and for what that kernel does not take,
+Both flash kernels take fp16/bf16 only, and only on Ampere or newer GPUs. A CPU with AVX2 or AVX-512 runs our own
+kernel (engine/cpu_kernel.py: fp32, and bf16 where it has AMX); elsewhere, and for what that kernel does not take,
 attention runs through exact SDPA, one call per run of equal-length sequences.
 """
 

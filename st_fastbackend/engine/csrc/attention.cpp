@@ -2,12 +2,18 @@
 //
 // q [T, Hq, D], k and v [T, Hkv, D] (Hq a multiple of Hkv; rows may be strided, each row's heads contiguous), out
 // [T, Hq, D], cu_seqlens int32 [B + 1]; all fp32, or all bf16 (AVX-512 builds, AMX). One work item per (sequence,
-// query head), handed out in order by an atomic counter. Per item, for each block of query rows: scores = q.k^T
+// query head), handed out in order by an atomic counter. Per item, the head's keys and values are copied once into
+// blocks of KEYS (zeros past the sequence's end); then for each block of query rows: scores = q.k^T block by block
 // through PyTorch's cpublas::brgemm (oneDNN; fp32 sums), a softmax row by row in fp32 (max, exp, sum), out = p.v
-// through brgemm, divided by the row's sum. fp32: k^T copied once per item, v read where it is. bf16: k^T and v
-// packed once per item into oneDNN's VNNI pairs for AMX tiles, probabilities rounded to bf16 before p.v (as
-// PyTorch's flash kernel rounds them), the output rounded to bf16. Causal: a query at row r sees keys 0..r. Built by
-// engine/cpu_kernel.py with CPU_CAPABILITY AVX512 or AVX2 (the width of at::vec's vectors: 16 or 8 floats).
+// summed over the key blocks by brgemm, divided by the row's sum. bf16: keys and values in oneDNN's VNNI pairs for AMX
+// tiles, probabilities rounded to bf16 before p.v (as PyTorch's flash kernel rounds them), the output rounded to bf16.
+// Causal: a query at row r sees keys 0..r.
+//
+// Every brgemm has one of a few shapes whatever the lengths: query rows and the last key block round up to multiples
+// of ROWS, full key blocks are KEYS wide, leading dimensions are fixed. PyTorch keeps each shape's JIT kernel for the
+// life of the thread (~0.3 MB each, never freed), so shapes that followed the lengths grew a server by ~700 MB over
+// 2,185 paragraphs (eval/RESULTS.md, 2026-12-06). Built by engine/cpu_kernel.py with CPU_CAPABILITY AVX512 or AVX2
+// (the width of at::vec's vectors: 16 or 8 floats).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -18,6 +24,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -26,39 +33,47 @@ namespace {
 using at::BFloat16;
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t W = Vec::size();  // 16 floats (AVX-512) or 8 (AVX2)
+constexpr int64_t KEYS = 64;        // keys per block
+constexpr int64_t ROWS = 16;        // query rows and a last key block round up to a multiple of this
 // fp32 q.k^T sums at most SLICE products in one chain and adds the slices: one chain of 256 (Gemma's heads) was 1.6x
 // as far from exact as PyTorch's fp32 kernel on AVX2, slices of 128 as close as it (eval/RESULTS.md, 2026-12-06).
 constexpr int64_t SLICE = 128;
 
-// fp32: B = K^T [d, n] row-major.
+int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
+
+// fp32 keys: block b is K^T [d, KEYS] row-major, of keys b * KEYS onwards; values: block b is V [KEYS, d].
 void pack_keys(const float* k, int64_t ld, int64_t n, int64_t d, float* out) {
+  std::memset(out, 0, sizeof(float) * round_up(n, KEYS) * d);
   for (int64_t j = 0; j < n; j++)
-    for (int64_t c = 0; c < d; c++) out[c * n + j] = k[j * ld + c];
+    for (int64_t c = 0; c < d; c++) out[(j / KEYS * d + c) * KEYS + j % KEYS] = k[j * ld + c];
+}
+
+void pack_values(const float* v, int64_t ld, int64_t n, int64_t d, float* out) {
+  std::memset(out, 0, sizeof(float) * round_up(n, KEYS) * d);
+  for (int64_t j = 0; j < n; j++) std::memcpy(out + j * d, v + j * ld, sizeof(float) * d);
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
-// bf16: B = K^T [d, n] in VNNI pairs ([d / 2, n, 2]): as 32-bit words, out[c * n + j] = k[j][2c, 2c + 1].
+// bf16 keys: block b is K^T [d, KEYS] in VNNI pairs ([d / 2, KEYS, 2]): as 32-bit words, key j's columns 2c and
+// 2c + 1 at (b * d / 2 + c) * KEYS + j % KEYS.
 void pack_keys(const BFloat16* k, int64_t ld, int64_t n, int64_t d, BFloat16* out) {
+  std::memset(out, 0, sizeof(BFloat16) * round_up(n, KEYS) * d);
   auto src = reinterpret_cast<const uint32_t*>(k);
   auto dst = reinterpret_cast<uint32_t*>(out);
   for (int64_t j = 0; j < n; j++)
-    for (int64_t c = 0; c < d / 2; c++) dst[c * n + j] = src[j * (ld / 2) + c];
+    for (int64_t c = 0; c < d / 2; c++) dst[(j / KEYS * (d / 2) + c) * KEYS + j % KEYS] = src[j * (ld / 2) + c];
 }
 
-// bf16: B = V [n_even, d] in VNNI pairs ([n_even / 2, d, 2]); a last odd row is paired with zeros.
+// bf16 values: block b is V [KEYS, d] in VNNI pairs ([KEYS / 2, d, 2]): as 32-bit words, rows 2i and 2i + 1 of
+// column c at i * d + c (blocks follow each other, KEYS even); an odd last row is paired with zeros.
 void pack_values(const BFloat16* v, int64_t ld, int64_t n, int64_t d, BFloat16* out) {
-  for (int64_t j = 0; j < n; j += 2) {
-    auto a = reinterpret_cast<const uint16_t*>(v + j * ld);
-    auto dst = reinterpret_cast<uint32_t*>(out + j * d);
-    if (j + 1 < n) {
-      auto b = reinterpret_cast<const uint16_t*>(v + (j + 1) * ld);
-      for (int64_t c = 0; c < d; c++) dst[c] = uint32_t(a[c]) | (uint32_t(b[c]) << 16);
-    } else {
-      for (int64_t c = 0; c < d; c++) dst[c] = uint32_t(a[c]);
-    }
+  std::memset(out, 0, sizeof(BFloat16) * round_up(n, KEYS) * d);
+  auto dst = reinterpret_cast<uint32_t*>(out);
+  for (int64_t j = 0; j < n; j++) {
+    auto row = reinterpret_cast<const uint16_t*>(v + j * ld);
+    for (int64_t c = 0; c < d; c++) dst[j / 2 * d + c] |= uint32_t(row[c]) << (16 * (j % 2));
   }
 }
-
 #endif
 
 void add(float* into, const float* from, int64_t count) {
@@ -75,36 +90,43 @@ float reduce(const Vec& v, bool take_max) {
   return r;
 }
 
-// exp(scale * s[j] - max) for the first `count` of 16 values, zeros after them.
+// exp(scale * s[j] - max) for the first `count` of W values, zeros after them.
 Vec exp_part(const float* s, int64_t count, const Vec& factor, const Vec& shift) {
   if (count <= 0) return Vec(0.f);
   if (count >= W) return (Vec::loadu(s) * factor - shift).exp_u20();
   return Vec::set(Vec(0.f), (Vec::loadu(s, count) * factor - shift).exp_u20(), count);
 }
 
-// One row of `keys` scores (of `width` columns): p[0..keys) = exp(scale * s - max), p[keys..width) = 0, in fp32 in
-// place or rounded to bf16 into p; returns 1 / the sum.
+// One row of scores over `keys` keys, in key blocks `stride` apart (KEYS each; `width` columns in all, a multiple of
+// ROWS): p = exp(scale * s - max) for the first `keys`, 0 for the rest of the width, in fp32 in place or rounded to
+// bf16 into p (the same layout); returns 1 / the sum.
 template <typename T>
-float softmax_row(float* s, int64_t keys, int64_t width, float scale, T* p) {
+float softmax_row(float* s, int64_t keys, int64_t width, int64_t stride, float scale, T* p) {
   Vec top(-INFINITY);
-  int64_t j = 0;
-  for (; j + W <= keys; j += W) top = at::vec::maximum(top, Vec::loadu(s + j));
-  if (j < keys) top = at::vec::maximum(top, Vec::set(Vec(-INFINITY), Vec::loadu(s + j, keys - j), keys - j));
+  for (int64_t j = 0; j < keys; j += W) {
+    const float* at = s + j / KEYS * stride + j % KEYS;
+    top = at::vec::maximum(top, j + W <= keys ? Vec::loadu(at)
+                                              : Vec::set(Vec(-INFINITY), Vec::loadu(at, keys - j), keys - j));
+  }
   const Vec factor(scale), shift(reduce(top, true) * scale);
   Vec sum(0.f);
   if constexpr (std::is_same_v<T, float>) {
-    for (j = 0; j < width; j += W) {
-      const Vec e = exp_part(s + j, keys - j, factor, shift);
+    for (int64_t j = 0; j < width; j += W) {
+      const int64_t at = j / KEYS * stride + j % KEYS;
+      const Vec e = exp_part(s + at, keys - j, factor, shift);
       sum = sum + e;
-      e.store(p + j, std::min(W, width - j));
+      e.store(p + at);
     }
   } else {
 #if defined(CPU_CAPABILITY_AVX512)
-    for (j = 0; j < width; j += 2 * W) {
-      const Vec low = exp_part(s + j, keys - j, factor, shift), high = exp_part(s + j + W, keys - j - W, factor, shift);
+    for (int64_t j = 0; j < width; j += 2 * W) {  // widths are multiples of 2 * W = 32 (ROWS = 16 rounds them)
+      const int64_t at = j / KEYS * stride + j % KEYS;
+      const int64_t count = std::min(2 * W, width - j);
+      const Vec low = exp_part(s + at, keys - j, factor, shift);
+      const Vec high = exp_part(s + at + W, std::min(keys - j, count) - W, factor, shift);
       sum = sum + low + high;
-      const auto mask = static_cast<__mmask32>((1ull << std::min(2 * W, width - j)) - 1);
-      _mm512_mask_storeu_epi16(p + j, mask, at::vec::cvtfp32_bf16(__m512(low), __m512(high)));
+      const auto mask = static_cast<__mmask32>((1ull << count) - 1);
+      _mm512_mask_storeu_epi16(p + at, mask, at::vec::cvtfp32_bf16(__m512(low), __m512(high)));
     }
 #endif
   }
@@ -116,51 +138,62 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::T
             int64_t sequences, int64_t longest, float scale, bool causal, int64_t block) {
   constexpr bool reduced = std::is_same_v<T, BFloat16>;
   const int64_t hq = q.size(1), hkv = k.size(1), d = q.size(2), group = hq / hkv, items = sequences * hq;
-  const int64_t room = longest + 1;
+  const int64_t room = round_up(longest, KEYS), stride = block * KEYS;  // a key block's scores: [block, KEYS]
   const T *Q = q.data_ptr<T>(), *K = k.data_ptr<T>(), *V = v.data_ptr<T>();
   T* O = out.data_ptr<T>();
   const int64_t sq = q.stride(0), sk = k.stride(0), sv = v.stride(0), so = out.stride(0);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<T> keys(d * room), values(reduced ? d * room : 0), probabilities(reduced ? block * room : 0);
-    std::vector<float> scores(block * room), partial(!reduced && d > SLICE ? block * room : 0);
-    std::vector<float> acc(reduced ? block * d : 0), inverse(block);
+    std::vector<T> keys(room * d), values(room * d), queries(block * d), probabilities(reduced ? room * block : 0);
+    std::vector<float> scores(room * block), partial(!reduced && d > SLICE ? stride : 0), acc(block * d);
+    std::vector<float> inverse(block);
     for (int64_t item; (item = next.fetch_add(1)) < items;) {
       const int64_t b = item / hq, h = item % hq, start = cu[b], len = cu[b + 1] - cu[b];
-      const T* v_head = V + start * sv + h / group * d;
       pack_keys(K + start * sk + h / group * d, sk, len, d, keys.data());
-#if defined(CPU_CAPABILITY_AVX512)
-      if constexpr (reduced) pack_values(v_head, sv, len, d, values.data());
-#endif
+      pack_values(V + start * sv + h / group * d, sv, len, d, values.data());
       for (int64_t r0 = 0; r0 < len; r0 += block) {
-        const int64_t m = std::min(block, len - r0), n = causal ? r0 + m : len, width = reduced ? n + (n & 1) : n;
-        T* o = O + (start + r0) * so + h * d;
-        const T* q_rows = Q + (start + r0) * sq + h * d;
-        if (reduced || d <= SLICE) {
-          at::native::cpublas::brgemm(m, n, d, sq, len, n, false, q_rows, keys.data(), scores.data(), reduced);
-        } else {  // fp32 sums over slices of the head's columns, added
-          for (int64_t c = 0; c < d; c += SLICE) {
-            float* sums = c == 0 ? scores.data() : partial.data();
-            at::native::cpublas::brgemm(m, n, std::min(SLICE, d - c), sq, len, n, false, q_rows + c,
-                                        keys.data() + c * len, sums, false);
-            if (c > 0) add(scores.data(), sums, m * n);
+        const int64_t m = std::min(block, len - r0), rows = round_up(m, ROWS);
+        const int64_t n = causal ? r0 + m : len, width = round_up(n, ROWS);  // keys seen, their padded columns
+        std::fill(queries.begin() + m * d, queries.begin() + rows * d, T(0));
+        for (int64_t row = 0; row < m; row++)
+          std::memcpy(queries.data() + row * d, Q + (start + r0 + row) * sq + h * d, sizeof(T) * d);
+        for (int64_t j = 0; j < width; j += KEYS) {  // scores of key block j / KEYS: [rows, KEYS], cols filled
+          const int64_t cols = std::min(KEYS, width - j);
+          float* s = scores.data() + j / KEYS * stride;
+          const T* kt = keys.data() + j * d;
+          if (reduced || d <= SLICE) {
+            at::native::cpublas::brgemm(rows, cols, d, d, KEYS, KEYS, false, queries.data(), kt, s, reduced);
+          } else {  // fp32 sums over slices of the head's columns, added
+            for (int64_t c = 0; c < d; c += SLICE) {
+              float* sums = c == 0 ? s : partial.data();
+              at::native::cpublas::brgemm(rows, cols, std::min(SLICE, d - c), d, KEYS, KEYS, false,
+                                          queries.data() + c, kt + c * KEYS, sums, false);
+              if (c > 0) add(s, sums, rows * KEYS);
+            }
           }
         }
         T* p = reduced ? probabilities.data() : reinterpret_cast<T*>(scores.data());
         for (int64_t row = 0; row < m; row++)
-          inverse[row] = softmax_row(scores.data() + row * n, causal ? r0 + row + 1 : n, width, scale, p + row * width);
-        if constexpr (reduced) {
+          inverse[row] = softmax_row(scores.data() + row * KEYS, causal ? r0 + row + 1 : n, width, stride, scale,
+                                     p + row * KEYS);
+        for (int64_t row = m; row < rows; row++)  // rows past the sequence: zero probabilities, ignored sums
+          for (int64_t j = 0; j < width; j += KEYS)
+            std::fill_n(p + j / KEYS * stride + row * KEYS, std::min(KEYS, width - j), T(0));
+        for (int64_t j = 0; j < width; j += KEYS)  // acc [rows, d] += p [rows, cols] . v [cols, d]
+          at::native::cpublas::brgemm(rows, d, std::min(KEYS, width - j), KEYS, d, d, j > 0, p + j / KEYS * stride,
+                                      values.data() + j * d, acc.data(), reduced);
+        T* o = O + (start + r0) * so + h * d;
+        for (int64_t row = 0; row < m; row++) {
+          const Vec inv(inverse[row]);
+          if constexpr (reduced) {
 #if defined(CPU_CAPABILITY_AVX512)
-          at::native::cpublas::brgemm(m, d, width, width, d, d, false, p, values.data(), acc.data(), true);
-          for (int64_t row = 0; row < m; row++)
             for (int64_t c = 0; c < d; c += W)
               _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + row * so + c),
-                                  at::vec::cvtfp32_bf16(__m512(Vec::loadu(acc.data() + row * d + c) * Vec(inverse[row]))));
+                                  at::vec::cvtfp32_bf16(__m512(Vec::loadu(acc.data() + row * d + c) * inv)));
 #endif
-        } else {
-          at::native::cpublas::brgemm(m, d, n, n, sv, so, false, p, v_head, o, false);
-          for (int64_t row = 0; row < m; row++)
-            for (int64_t c = 0; c < d; c += W) (Vec::loadu(o + row * so + c) * Vec(inverse[row])).store(o + row * so + c);
+          } else {
+            for (int64_t c = 0; c < d; c += W) (Vec::loadu(acc.data() + row * d + c) * inv).store(o + row * so + c);
+          }
         }
       }
     }
@@ -183,7 +216,7 @@ void attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at
     TORCH_CHECK(t->device().is_cpu() && t->stride(2) == 1 && t->stride(1) == d && t->stride(0) % 2 == 0,
                 "heads contiguous in each row, on the CPU");
   TORCH_CHECK(cu_seqlens.scalar_type() == at::kInt && cu_seqlens.is_contiguous(), "int32 cu_seqlens");
-  TORCH_CHECK(block > 0, "a positive block of query rows");
+  TORCH_CHECK(block > 0 && block % ROWS == 0, "a block of query rows that is a positive multiple of 16");
   const int32_t* cu = cu_seqlens.data_ptr<int32_t>();
   const int64_t sequences = cu_seqlens.size(0) - 1;
   TORCH_CHECK(sequences >= 0 && cu[0] == 0, "cu_seqlens from 0");
