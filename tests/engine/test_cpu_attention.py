@@ -5,6 +5,7 @@ whole models."""
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -122,10 +123,14 @@ def test_refuses_what_it_does_not_compute():
             kernel()(*args, 0.1, False, 64)
     with pytest.raises(RuntimeError, match="positive multiple of 16"):
         kernel()(q, k, v, torch.empty_like(q), cu, 0.1, False, 24)
+    with pytest.raises(RuntimeError, match="positive softmax scale"):
+        kernel()(q, k, v, torch.empty_like(q), cu, -0.1, False, 64)
+    with pytest.raises(RuntimeError, match="multiple of key heads"):
+        kernel()(q, k[:, :0], v[:, :0], torch.empty_like(q), cu, 0.1, False, 64)
 
 
 def resident_mib() -> float:
-    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the resident size from /proc (Linux)")
@@ -140,7 +145,9 @@ def test_memory_does_not_grow_with_the_lengths_it_has_seen():
     for head_dim, causal in ((64, False), (64, True), (256, False)):
         for n in range(1, 300, 3):
             run_kernel(*random_qkv(n, 2, 1, head_dim, torch.float32), [n], causal)
-    assert resident_mib() - before < 16, resident_mib() - before
+    grown = resident_mib() - before
+    print(f"resident size grew {grown:.1f} MiB")
+    assert grown < 16, grown
 
 
 def test_the_sdpa_loop_takes_what_the_kernel_does_not(monkeypatch):

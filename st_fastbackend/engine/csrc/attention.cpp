@@ -119,7 +119,7 @@ float softmax_row(float* s, int64_t keys, int64_t width, int64_t stride, float s
     }
   } else {
 #if defined(CPU_CAPABILITY_AVX512)
-    for (int64_t j = 0; j < width; j += 2 * W) {  // widths are multiples of 2 * W = 32 (ROWS = 16 rounds them)
+    for (int64_t j = 0; j < width; j += 2 * W) {  // 32 columns at a time; a width of 16 more ends with 16
       const int64_t at = j / KEYS * stride + j % KEYS;
       const int64_t count = std::min(2 * W, width - j);
       const Vec low = exp_part(s + at, keys - j, factor, shift);
@@ -210,12 +210,15 @@ void attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at
               v.scalar_type() == dtype && out.scalar_type() == dtype, "q, k, v and out all fp32 or all bf16");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.dim() == 3, "[T, H, D] q, k, v and out");
   const int64_t hq = q.size(1), hkv = k.size(1), d = q.size(2);
-  TORCH_CHECK(hq % hkv == 0 && v.size(1) == hkv && out.size(1) == hq, "query heads a multiple of key heads");
+  TORCH_CHECK(hkv > 0 && hq % hkv == 0 && v.size(1) == hkv && out.size(1) == hq,
+              "query heads a multiple of key heads");
   TORCH_CHECK(d % 16 == 0 && k.size(2) == d && v.size(2) == d && out.size(2) == d, "head size a multiple of 16");
   for (const at::Tensor* t : {&q, &k, &v, static_cast<const at::Tensor*>(&out)})
     TORCH_CHECK(t->device().is_cpu() && t->stride(2) == 1 && t->stride(1) == d && t->stride(0) % 2 == 0,
                 "heads contiguous in each row, on the CPU");
-  TORCH_CHECK(cu_seqlens.scalar_type() == at::kInt && cu_seqlens.is_contiguous(), "int32 cu_seqlens");
+  TORCH_CHECK(cu_seqlens.scalar_type() == at::kInt && cu_seqlens.is_contiguous() && cu_seqlens.dim() == 1 &&
+              cu_seqlens.device().is_cpu(), "int32 cu_seqlens, one row on the CPU");
+  TORCH_CHECK(scale > 0, "a positive softmax scale");
   TORCH_CHECK(block > 0 && block % ROWS == 0, "a block of query rows that is a positive multiple of 16");
   const int32_t* cu = cu_seqlens.data_ptr<int32_t>();
   const int64_t sequences = cu_seqlens.size(0) - 1;
