@@ -11,7 +11,7 @@
 //
 // Every brgemm has one of a few shapes whatever the lengths: query rows and the last key block round up to multiples
 // of ROWS, full key blocks are KEYS wide, leading dimensions are fixed. PyTorch keeps each shape's JIT kernel for the
-// life of the thread (~0.3 MB each, never freed), so shapes that followed the lengths grew a server by ~700 MB over
+// life of the thread (never freed), so shapes that followed the lengths grew a process by ~700 MB over MiniLM's
 // 2,185 paragraphs (eval/RESULTS.md, 2026-12-06). Built by engine/cpu_kernel.py with CPU_CAPABILITY AVX512 or AVX2
 // (the width of at::vec's vectors: 16 or 8 floats).
 #include <torch/extension.h>
