@@ -39,11 +39,9 @@ def dtypes() -> tuple[torch.dtype, ...]:
     layer)."""
     if os.environ.get("ST_FASTBACKEND_CPU_KERNEL") == "0" or _capability() not in CAPABILITIES:
         return ()
-    if _capability() != "AVX512":
-        return (torch.float32,)
     amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
     bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
-    return (torch.float32, torch.bfloat16) if amx and bf16 else (torch.float32,)
+    return (torch.float32, torch.bfloat16) if _capability() == "AVX512" and amx and bf16 else (torch.float32,)
 
 
 def attention_for(dtype: torch.dtype) -> Callable | None:

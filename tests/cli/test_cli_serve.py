@@ -63,7 +63,7 @@ def test_banner_access_log_and_default_model_name(st_model, tmp_path):
     text = log.read_text()
     banner = next(line for line in text.splitlines() if "Serving" in line)
     assert f"Serving {folder.name!r} ({folder}): dimension 64, weights float32" in banner
-    kernel = choose_runtime(DEVICE, torch.float32).kernel  # ours on a CPU with AVX-512, else the SDPA loop
+    kernel = choose_runtime(DEVICE, torch.float32).kernel  # ours on a CPU with AVX2 or AVX-512, else the SDPA loop
     assert f"attention {kernel}, " in banner and banner.endswith(f"at {url}")
     served = int(banner.split(f"attention {kernel}, ")[1].split(" tokens per batch")[0])
     if DEVICE == "cpu":

@@ -2,11 +2,12 @@
 //
 // q [T, Hq, D], k and v [T, Hkv, D] (Hq a multiple of Hkv; rows may be strided, each row's heads contiguous), out
 // [T, Hq, D], cu_seqlens int32 [B + 1]; all fp32, or all bf16 (AVX-512 builds, AMX). One work item per (sequence,
-// query head), handed out in order by an atomic counter. Per item, the head's keys and values are copied once into
-// blocks of KEYS (zeros past the sequence's end); then for each block of query rows: scores = q.k^T block by block
-// through PyTorch's cpublas::brgemm (oneDNN; fp32 sums), a softmax row by row in fp32 (max, exp, sum), out = p.v
-// summed over the key blocks by brgemm, divided by the row's sum. bf16: keys and values in oneDNN's VNNI pairs for AMX
-// tiles, probabilities rounded to bf16 before p.v (as PyTorch's flash kernel rounds them), the output rounded to bf16.
+// query head), handed out in order by an atomic counter. Per item, the key head's keys and values are copied into
+// blocks of KEYS (zeros past the sequence's end), unless the thread's last item had that key head; then for each
+// block of query rows: scores = q.k^T block by block through PyTorch's cpublas::brgemm (oneDNN; fp32 sums), a softmax
+// row by row in fp32 (max, exp, sum), out = p.v summed over the key blocks by brgemm, divided by the row's sum.
+// bf16: keys and values in oneDNN's VNNI pairs for AMX tiles, probabilities rounded to bf16 before p.v (as PyTorch's
+// flash kernel rounds them), the output rounded to bf16.
 // Causal: a query at row r sees keys 0..r.
 //
 // Every brgemm has one of a few shapes whatever the lengths: query rows and the last key block round up to multiples
@@ -147,10 +148,14 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::T
     std::vector<T> keys(room * d), values(room * d), queries(block * d), probabilities(reduced ? room * block : 0);
     std::vector<float> scores(room * block), partial(!reduced && d > SLICE ? stride : 0), acc(block * d);
     std::vector<float> inverse(block);
+    int64_t packed = -1;  // the (sequence, key head) whose keys and values are in the buffers
     for (int64_t item; (item = next.fetch_add(1)) < items;) {
       const int64_t b = item / hq, h = item % hq, start = cu[b], len = cu[b + 1] - cu[b];
-      pack_keys(K + start * sk + h / group * d, sk, len, d, keys.data());
-      pack_values(V + start * sv + h / group * d, sv, len, d, values.data());
+      if (b * hkv + h / group != packed) {  // grouped query heads share it: packed again only for another
+        pack_keys(K + start * sk + h / group * d, sk, len, d, keys.data());
+        pack_values(V + start * sv + h / group * d, sv, len, d, values.data());
+        packed = b * hkv + h / group;
+      }
       for (int64_t r0 = 0; r0 < len; r0 += block) {
         const int64_t m = std::min(block, len - r0), rows = round_up(m, ROWS);
         const int64_t n = causal ? r0 + m : len, width = round_up(n, ROWS);  // keys seen, their padded columns
