@@ -3,11 +3,23 @@ computes them (fp32 inside)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from st_fastbackend.engine import fused, onednn, quantize
+
+MIN_ROWS = 16  # PyTorch's CPU products take at least this many rows (pytorch_product)
+# transformers' activation name -> the same function in place, bit for bit ACT2FN's (tests/engine/test_layers.py)
+IN_PLACE = {
+    "gelu": torch.ops.aten.gelu_,
+    "gelu_pytorch_tanh": functools.partial(torch.ops.aten.gelu_, approximate="tanh"),
+    "relu": torch.relu_,
+    "silu": torch.ops.aten.silu_,
+    "swish": torch.ops.aten.silu_,
+}
 
 
 class Linear(nn.Linear):
@@ -30,7 +42,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         if not self._onednn():
-            return F.linear(x, self.dense_weight(), self.bias)
+            return pytorch_product(x, self.dense_weight(), self.bias)
         if self.product_dtype == torch.int8:
             return quantize.product(x, self._part(0, 1), compiled=self.compiled_passes).to(self.weight.dtype)
         return onednn.product(x, self._part(0, 1)).to(self.weight.dtype)
@@ -43,6 +55,8 @@ class Linear(nn.Linear):
             return product.to(self.weight.dtype)
         if name in onednn.ACTIVATIONS and self._onednn():
             return onednn.product(x, self._part(0, 1), activation=name)
+        if name in IN_PLACE and not torch.is_grad_enabled():
+            return IN_PLACE[name](self(x))  # no second [T, out] tensor beside the product's
         return quantize.activation_module(name)(self(x))
 
     def gated(self, x: Tensor, name: str, compiled: bool = False) -> Tensor:
@@ -125,6 +139,19 @@ class Linear(nn.Linear):
         oneDNN's opaque tensors have no storage to pickle; they are rebuilt at the first forward."""
         self.dense_weight()
         return {k: v for k, v in self.__dict__.items() if k != "_packed"}
+
+
+def pytorch_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """F.linear; on a CPU without gradients, fewer than MIN_ROWS rows are multiplied with zero rows appended up to
+    it: MKL multiplies 1 to 11 rows with other kernels, which sum in another order, than 12 or more (so a text's
+    embedding would depend on its batch); from 12 rows on a row's result does not depend on the row count
+    (tests/engine/test_layers.py)."""
+    rows = x.shape[:-1].numel()
+    if rows >= MIN_ROWS or x.device.type != "cpu" or torch.is_grad_enabled():
+        return F.linear(x, weight, bias)
+    flat = x.reshape(rows, x.shape[-1])
+    out = F.linear(torch.cat([flat, flat.new_zeros(MIN_ROWS - rows, flat.shape[1])]), weight, bias)
+    return out[:rows].reshape(*x.shape[:-1], -1)
 
 
 class RMSNorm(nn.Module):

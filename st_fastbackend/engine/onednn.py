@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import platform
 
 import psutil
@@ -40,10 +41,25 @@ Packed = tuple[Tensor, Tensor | None]  # (weight in oneDNN's layout, bias), both
 
 def product_dtype(weight_dtype: torch.dtype) -> torch.dtype | None:
     """The dtype oneDNN multiplies a CPU weight of `weight_dtype` in: its own, or bf16 for fp32 where
-    PyTorch's setting allows it; None where oneDNN is not used for it (not x86-64, or no native bf16)."""
+    PyTorch's setting allows it; None where oneDNN is not used for it (not x86-64, no native bf16, or fp32
+    where PyTorch's own products are faster: fp32_products())."""
     if weight_dtype not in onednn_dtypes():
         return None
-    return torch.bfloat16 if weight_dtype == torch.float32 and bf16_products_allowed() else weight_dtype
+    if weight_dtype == torch.float32 and bf16_products_allowed():
+        return torch.bfloat16
+    return None if weight_dtype == torch.float32 and not fp32_products() else weight_dtype
+
+
+@functools.cache
+def fp32_products() -> bool:
+    """Whether fp32 products run through oneDNN: where PyTorch runs AVX-512 kernels. There oneDNN's reordered
+    products were 1.1-1.2x PyTorch's own (MKL) on a Zen 4 (2026-11-30); on AVX2 (Zen 3) MKL's were 1.1-1.25x
+    oneDNN's from 512 rows up, MiniLM 1.2x over Wikipedia paragraphs (eval/RESULTS.md, 2026-12-06 07:30).
+    ST_FASTBACKEND_ONEDNN_FP32=1 or 0 in the environment says it for every model."""
+    said = os.environ.get("ST_FASTBACKEND_ONEDNN_FP32", "")
+    if said not in ("", "0", "1"):
+        raise ValueError(f"ST_FASTBACKEND_ONEDNN_FP32={said!r}: 1 runs fp32 products in oneDNN, 0 in PyTorch")
+    return said == "1" if said else torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 def bf16_products_allowed() -> bool:

@@ -13,7 +13,7 @@ from transformers.activations import ACT2FN
 
 from st_fastbackend.engine import onednn
 from st_fastbackend.engine.decoder import MLP
-from st_fastbackend.engine.layers import Linear
+from st_fastbackend.engine.layers import IN_PLACE, Linear
 from st_fastbackend.engine.runtime import choose_runtime
 from st_fastbackend.modules import PackedTransformer
 
@@ -166,7 +166,8 @@ def test_fp32_layer_multiplies_in_bf16_where_pytorch_allows_it():
 def test_the_engine_is_set_up_once_per_runtime(st_model, monkeypatch):
     """At load every Linear takes the runtime's product dtype; encode() does not set them up again; moving
     the model to another dtype does, and back."""
-    _, fast = load_both(st_model("mistral", pooling_mode="mean"), device="cpu")  # oneDNN's products are the CPU's
+    monkeypatch.setattr(onednn, "fp32_products", lambda: True)  # oneDNN's fp32 products, as on an AVX-512 CPU
+    _, fast = load_both(st_model("mistral", pooling_mode="mean"), device="cpu")
     linears = [m for m in fast[0].model.modules() if isinstance(m, Linear)]
     assert linears and all(m.product_dtype == torch.float32 for m in linears)
     calls, use = [], PackedTransformer._use
@@ -179,10 +180,11 @@ def test_the_engine_is_set_up_once_per_runtime(st_model, monkeypatch):
     assert len(calls) == 2
 
 
-def test_the_engine_keeps_one_copy_of_its_weights(st_model):
+def test_the_engine_keeps_one_copy_of_its_weights(st_model, monkeypatch):
     """After encode() the engine's matrix weights live only in their reordered copies (fp32 products of fp32
     weights): the model's state_dict is still every weight as loaded, and moving it and back gives the same
     numbers."""
+    monkeypatch.setattr(onednn, "fp32_products", lambda: True)
     plain, fast = load_both(st_model("bert", pooling_mode="mean"), device="cpu")
     loaded = {name: tensor.clone() for name, tensor in fast.state_dict().items()}
     texts = ["a short text", "another text, longer than the first one"]
@@ -249,6 +251,46 @@ def test_padded_rows_change_no_number(monkeypatch):
         assert a.shape == b.shape
         assert torch.equal(a, b) if bitwise else (a - b).abs().max() <= 1e-6
     assert reached == {16, 32, 112, 144, 288, 320}
+
+
+def test_pytorch_products_change_no_number_with_the_row_count():
+    """PyTorch's own CPU product (where fp32 products do not run through oneDNN, or oneDNN's copies do not fit) gives
+    a row the same bits whatever number of rows it is multiplied with: fewer than 16 rows are padded to 16, and
+    from 12 rows on MKL sums each row in one order (it sums 1 to 11 rows in others, up to 3e-05 apart here)."""
+    torch.manual_seed(0)
+    layer, x = Linear(384, 1536), torch.randn(2100, 384)
+    with torch.inference_mode():
+        assert layer.product_dtype is None
+        whole = layer(x)
+        for rows in (*range(1, 40), 64, 100, 129, 257, 300, 511, 1000, 2047, 2100):
+            start = (7 * rows) % (len(x) - rows + 1)
+            assert torch.equal(layer(x[start : start + rows]), whole[start : start + rows]), rows
+        assert torch.equal(layer(x[5]), whole[5])  # one row, no row dimension
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activations_in_place_are_transformers_own(dtype):
+    """Where PyTorch multiplies, the activation after the product runs in place: the same bits as ACT2FN."""
+    torch.manual_seed(0)
+    layer, x = Linear(64, 96).to(dtype), torch.randn(40, 64, dtype=dtype) * 3
+    for name in IN_PLACE:
+        with torch.inference_mode():
+            assert torch.equal(layer.act(x, name), ACT2FN[name](F.linear(x, layer.weight, layer.bias))), name
+
+
+@pytest.mark.parametrize("said", ["", "0", "1", "yes"])
+def test_fp32_products_through_onednn_where_pytorch_runs_avx512(said, monkeypatch):
+    """oneDNN's fp32 products where PyTorch's CPU capability is AVX-512, PyTorch's own (MKL) elsewhere;
+    ST_FASTBACKEND_ONEDNN_FP32 says it for every model, and anything but 0 or 1 there is an error that names it."""
+    monkeypatch.setenv("ST_FASTBACKEND_ONEDNN_FP32", said)
+    if said == "yes":
+        with pytest.raises(ValueError, match="ST_FASTBACKEND_ONEDNN_FP32='yes'"):
+            onednn.fp32_products.__wrapped__()
+        return
+    avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
+    assert onednn.fp32_products.__wrapped__() == (said == "1" or (said == "" and avx512))
+    monkeypatch.setattr(onednn, "fp32_products", lambda: said == "1")
+    assert onednn.product_dtype(torch.float32) == (torch.float32 if said == "1" else None)
 
 
 def test_a_product_takes_a_buffer_with_room_as_it_stands():
