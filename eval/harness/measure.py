@@ -176,9 +176,14 @@ def gemm_ceiling(dtype, device: str, n: int = 2048, repeats: int = 5) -> float:
 
 def flops(model, token_ids: list[list[int]]) -> float:
     """2 x non-embedding parameters per token, plus attention (QK^T and PV; half of it when causal)."""
+    from torch import nn
+
     engine = model[0].model
     embedding = sum(p.numel() for name, p in engine.named_parameters() if "embed" in name)
-    params = sum(p.numel() for p in engine.parameters()) - embedding
+    # a Linear's shape, not its weight's numel: the weight is given back once oneDNN holds its reordered copy
+    linears = [m for m in engine.modules() if isinstance(m, nn.Linear)]
+    linear = sum(m.in_features * m.out_features - m.weight.numel() for m in linears)
+    params = sum(p.numel() for p in engine.parameters()) + linear - embedding
     spec = engine.spec
     width = spec.num_heads * getattr(spec, "head_dim", spec.hidden_size // spec.num_heads)  # encoders: no head_dim
     causal = 0.5 if getattr(spec, "causal", False) else 1.0  # windows not counted: an upper bound
