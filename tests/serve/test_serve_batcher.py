@@ -305,8 +305,10 @@ def minilm_server():
 @pytest.mark.slow
 @pytest.mark.real_model
 def test_a_probe_waits_for_one_pack_not_for_a_request_of_256_texts_of_256_tokens(minilm_server):
-    """all-MiniLM-L6-v2, 65,536 tokens in one request (seconds of model time here): one-text requests sent
-    while it runs are each answered in under 1 s, before it; every row is encode()'s."""
+    """all-MiniLM-L6-v2, 65,536 tokens in one request (8 packs of 8,192 tokens, seconds of model time here): one-text
+    requests sent while it runs are each answered before it, each within a third of the request's time (a pack in
+    progress and its own, not the request's other packs: a bound that holds on a slow or busy machine too, where a
+    fixed second did not); every row is encode()'s."""
     from helpers import minilm_path
 
     url = minilm_server
@@ -314,6 +316,7 @@ def test_a_probe_waits_for_one_pack_not_for_a_request_of_256_texts_of_256_tokens
     probes, waited = [f"probe number {i}" for i in range(3)], []
     with ThreadPoolExecutor(1) as pool:
         taken = metric(url, "embedding_queue_wait_seconds_count")
+        began = time.perf_counter()
         running = pool.submit(httpx.post, f"{url}/v1/embeddings", json={"input": big}, timeout=600)
         while metric(url, "embedding_queue_wait_seconds_count") == taken:
             time.sleep(0.02)
@@ -324,8 +327,9 @@ def test_a_probe_waits_for_one_pack_not_for_a_request_of_256_texts_of_256_tokens
             waited.append(time.perf_counter() - start)
         assert not running.done()  # the probes went past it
         response = running.result()
+        whole = time.perf_counter() - began
     assert response.status_code == 200 and response.json()["usage"]["prompt_tokens"] == 256 * 256
-    assert max(waited) < 1.0, waited
+    assert max(waited) < whole / 3, (waited, whole)
     minilm = SentenceTransformer(minilm_path(), backend="fast", device=DEVICE)
     rows = [row["embedding"] for row in response.json()["data"]]
     np.testing.assert_allclose(rows, minilm.encode(big), atol=1e-5, rtol=0)
