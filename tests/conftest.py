@@ -47,6 +47,15 @@ def standin(monkeypatch):
     choose_runtime.cache_clear()
 
 
+@pytest.fixture
+def bf16_products_taken(monkeypatch):
+    """PyTorch's bf16 setting taken wherever oneDNN runs bf16, as on a CPU with bf16 dot products: the bf16 products'
+    numbers are tested on AVX-512 CPUs without them too (Ice Lake), where the engine leaves them fp32 for speed."""
+    from st_fastbackend.engine import onednn
+
+    monkeypatch.setattr(onednn, "native_bf16", lambda: True)
+
+
 @pytest.fixture(scope="session")
 def texts() -> list[str]:
     """40 texts from 1 word to 300 words; with max_seq_length 256 the longest are truncated."""

@@ -2,8 +2,9 @@
 
 Faster than PyTorch's default fp32 products on this project's CPUs, with activations computed inside the product
 (eval/RESULTS.md, "2026-11-30 — CPU speed after moving matrix products to oneDNN"). An fp32 model multiplies in
-bf16 (inputs and weight rounded to bf16, fp32 sums) where PyTorch's own setting allows fp32 products to:
-torch.set_float32_matmul_precision("medium") or torch.backends.mkldnn.matmul.fp32_precision = "bf16".
+bf16 (inputs and weight rounded to bf16, fp32 sums) where PyTorch's own setting allows fp32 products to
+(torch.set_float32_matmul_precision("medium") or torch.backends.mkldnn.matmul.fp32_precision = "bf16") and the
+CPU has bf16 dot products.
 Which dtype the products run in is part of the engine's Runtime (engine/runtime.py); engine/layers.Linear
 calls the functions here.
 """
@@ -41,8 +42,8 @@ Packed = tuple[Tensor, Tensor | None]  # (weight in oneDNN's layout, bias), both
 
 def product_dtype(weight_dtype: torch.dtype) -> torch.dtype | None:
     """The dtype oneDNN multiplies a CPU weight of `weight_dtype` in: its own, or bf16 for fp32 where
-    PyTorch's setting allows it; None where oneDNN is not used for it (not x86-64, no native bf16, or fp32
-    where PyTorch's own products are faster: fp32_products())."""
+    PyTorch's setting allows it and the CPU has bf16 dot products; None where oneDNN is not used for it (not
+    x86-64, bf16 that oneDNN does not run, or fp32 where PyTorch's own products are faster: fp32_products())."""
     if weight_dtype not in onednn_dtypes():
         return None
     if weight_dtype == torch.float32 and bf16_products_allowed():
@@ -64,8 +65,29 @@ def fp32_products() -> bool:
 
 def bf16_products_allowed() -> bool:
     """PyTorch's own switch for fp32 products in bf16 on oneDNN (set by set_float32_matmul_precision
-    ("medium")), honoured where oneDNN runs bf16 natively."""
-    return torch.backends.mkldnn.matmul.fp32_precision == "bf16" and torch.bfloat16 in onednn_dtypes()
+    ("medium")), honoured where the CPU multiplies bf16 natively (native_bf16); elsewhere the products stay fp32,
+    exact, and faster."""
+    if torch.backends.mkldnn.matmul.fp32_precision != "bf16" or torch.bfloat16 not in onednn_dtypes():
+        return False
+    if not native_bf16():
+        _say_bf16_not_taken()
+        return False
+    return True
+
+
+@functools.cache
+def native_bf16() -> bool:
+    """Whether the CPU has bf16 dot products (AVX512-BF16, which AMX CPUs have too). oneDNN also runs bf16 on other
+    AVX-512 CPUs (onednn_dtypes), converting every element to fp32 first: there bf16 products of an fp32 model ran at
+    0.33x its fp32 products (MiniLM on an Ice Lake Xeon, eval/RESULTS.md 2026-12-07), so they are not taken."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+@functools.cache
+def _say_bf16_not_taken() -> None:
+    """Once per process."""
+    logger.info("fp32 products stay fp32: torch's fp32_precision 'bf16' is taken only where the CPU has bf16 dot "
+                "products (AVX512-BF16 or AMX), and this one converts bf16 to fp32 first.")  # fmt: skip
 
 
 @functools.cache

@@ -18,7 +18,7 @@ def test_encode_command_writes_the_embeddings(st_model, texts, tmp_path):
 
 
 @pytest.mark.skipif(torch.bfloat16 not in onednn_dtypes(), reason="oneDNN runs bf16 natively with AVX-512 only")
-def test_encode_command_with_bf16_products(st_model, texts, tmp_path):
+def test_encode_command_with_bf16_products(st_model, texts, tmp_path, bf16_products_taken):
     """--matmul-precision medium: the fp32 model multiplies in bf16, close to but not equal to fp32."""
     folder = st_model("bert", pooling_mode="mean")
     lines = [t for t in texts if t]

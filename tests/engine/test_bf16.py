@@ -85,22 +85,40 @@ def assert_bf16_products_closer_than_bf16(folder, texts):
     assert np.abs(fast32.encode(texts) - reference).max() <= 1e-5
 
 
-@pytest.mark.skipif(not bf16_products_allowed_here(), reason="oneDNN runs bf16 natively on x86-64 with AVX-512 only")
+@pytest.mark.skipif(not bf16_products_allowed_here(), reason="oneDNN runs bf16 on x86-64 with AVX-512 only")
 @pytest.mark.parametrize("family", ["mistral", "bert", "distilbert"])
-def test_bf16_products_in_an_fp32_model(st_model, texts, family, restore_matmul_precision):
+def test_bf16_products_in_an_fp32_model(st_model, texts, family, restore_matmul_precision, bf16_products_taken):
     assert_bf16_products_closer_than_bf16(st_model(family, pooling_mode="mean"), [t for t in texts if t])
 
 
 @pytest.mark.slow
 @pytest.mark.real_model
 @needs_data
-@pytest.mark.skipif(not bf16_products_allowed_here(), reason="oneDNN runs bf16 natively on x86-64 with AVX-512 only")
-def test_bf16_products_in_minilm_on_real_sentences(restore_matmul_precision):
+@pytest.mark.skipif(not bf16_products_allowed_here(), reason="oneDNN runs bf16 on x86-64 with AVX-512 only")
+def test_bf16_products_in_minilm_on_real_sentences(restore_matmul_precision, bf16_products_taken):
     import csv
 
     with open(DATA_DIR / "stsb" / "stsb-dev.tsv", encoding="utf8") as f:
         rows = list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))[:150]
     assert_bf16_products_closer_than_bf16(minilm_path(), [r["sentence1"] for r in rows])
+
+
+@pytest.mark.skipif(torch.bfloat16 not in onednn_dtypes(), reason="oneDNN runs bf16 on x86-64 with AVX-512 only")
+def test_bf16_products_are_not_taken_without_bf16_dot_products(st_model, texts, restore_matmul_precision, monkeypatch):
+    """On an AVX-512 CPU without AVX512-BF16 (Ice Lake) oneDNN converts bf16 to fp32 first, slower than fp32
+    products: PyTorch's bf16 setting leaves them fp32, exact; with bf16 dot products they are bf16."""
+    from st_fastbackend.engine import onednn
+
+    folder = str(st_model("bert", pooling_mode="mean"))
+    plain32, fast32 = load_both(folder, device="cpu")
+    lines = [t for t in texts if t]
+    torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+    monkeypatch.setattr(onednn, "native_bf16", lambda: False)
+    assert fast32[0].product_dtype != torch.bfloat16
+    np.testing.assert_allclose(fast32.encode(lines), plain32.encode(lines), atol=1e-5, rtol=0)
+    monkeypatch.setattr(onednn, "native_bf16", lambda: True)
+    assert fast32[0].product_dtype == torch.bfloat16
+    assert 1e-6 < np.abs(fast32.encode(lines) - plain32.encode(lines)).max() < 1e-2
 
 
 def test_the_products_setting_is_read_once_per_call_not_per_pack(st_model, texts, monkeypatch):

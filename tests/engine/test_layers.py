@@ -141,7 +141,7 @@ def test_activations_inside_the_product_match_transformers(name):
 
 
 @pytest.mark.skipif(torch.bfloat16 not in onednn.onednn_dtypes(), reason="oneDNN runs bf16 natively with AVX-512")
-def test_fp32_layer_multiplies_in_bf16_where_pytorch_allows_it():
+def test_fp32_layer_multiplies_in_bf16_where_pytorch_allows_it(bf16_products_taken):
     """torch.backends.mkldnn.matmul.fp32_precision = "bf16": the product of the bf16-rounded input and
     weight (fp32 sums), returned in fp32; back to the exact fp32 product when the setting is reset."""
     torch.manual_seed(0)
@@ -199,7 +199,7 @@ def test_the_engine_keeps_one_copy_of_its_weights(st_model, monkeypatch):
 
 
 @pytest.mark.skipif(torch.bfloat16 not in onednn.onednn_dtypes(), reason="oneDNN runs bf16 natively with AVX-512")
-def test_no_reordered_copies_where_memory_is_short(st_model, monkeypatch):
+def test_no_reordered_copies_where_memory_is_short(st_model, monkeypatch, bf16_products_taken):
     """bf16 copies kept beside fp32 weights would take more than a quarter of the free memory: PyTorch's
     product, same numbers."""
     monkeypatch.setattr(onednn, "free_memory_bytes", lambda: 1024)
