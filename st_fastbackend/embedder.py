@@ -59,10 +59,9 @@ class Embedder:
         }
 
     def compiles_seams(self) -> bool:
-        """Whether packs of engine/fused.py's MIN_TOKENS tokens or more run compiled code, compiled at the first such
-        pack: the layer seams, or int8's passes around each product (engine/quantize.py)."""
-        packed = self._model.packed_input
-        return packed.runtime.fused or bool(getattr(packed, "quantize", None))
+        """Whether packs of engine/fused.py's MIN_TOKENS tokens or more run compiled layer seams, compiled at the first
+        such pack."""
+        return self._model.packed_input.runtime.fused
 
     def resolve_prompt(self, prompt: str | None, prompt_name: str | None) -> str | None:
         """As encode() resolves it: `prompt`, else the model's prompt named `prompt_name`, else the model's

@@ -1,13 +1,14 @@
-"""Our one C++ kernel: exact-softmax attention over a whole packed batch on x86-64 CPUs with AVX2 or AVX-512, in
-fp32, and in bf16 where the CPU has AMX (csrc/attention.cpp). It replaces the SDPA loop (engine/attention.py) for
-attention without a prefix, unattended tokens or a window that cuts: one parallel region per layer instead of one
-per run of equal lengths, q.k and p.v through PyTorch's own cpublas::brgemm (oneDNN), the softmax in fp32
-(eval/RESULTS.md, "2026-12-06 — one attention kernel per layer on the CPU").
+"""Our C++ kernels for x86-64 CPUs with AVX2 or AVX-512 (csrc/): exact-softmax attention over a whole packed batch
+in fp32, and in bf16 where the CPU has AMX (csrc/attention.cpp), and the passes around int8 products
+(csrc/quantize.cpp, engine/quantize.py). Attention replaces the SDPA loop (engine/attention.py) for attention
+without a prefix, unattended tokens or a window that cuts: one parallel region per layer instead of one per run of
+equal lengths, q.k and p.v through PyTorch's own cpublas::brgemm (oneDNN), the softmax in fp32 (eval/RESULTS.md,
+"2026-12-06 — one attention kernel per layer on the CPU").
 
 Built at first use by torch.utils.cpp_extension (a C++ compiler and ninja; ~30 s), cached under TORCH_EXTENSIONS_DIR
-(default ~/.cache/torch_extensions) in a folder keyed by the source, this PyTorch and Python, this CPU's flags and
+(default ~/.cache/torch_extensions) in a folder keyed by the sources, this PyTorch and Python, this CPU's flags and
 the build's (-march=native, PyTorch's vector width here: AVX2 or AVX512). Where it cannot be built the SDPA loop
-runs, after one warning that says why; ST_FASTBACKEND_CPU_KERNEL=0 turns it off.
+and PyTorch's own int8 passes run, after one warning that says why; ST_FASTBACKEND_CPU_KERNEL=0 turns it off.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "attention.cpp"
+SOURCES = tuple(sorted(Path(__file__).with_name("csrc").glob("*.cpp")))
 BLOCK = 64  # query rows per q.k product: 32 to 128 measured within 5% of each other
 STALE_LOCK_SECONDS = 600
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
@@ -46,32 +48,41 @@ def dtypes() -> tuple[torch.dtype, ...]:
 
 def attention_for(dtype: torch.dtype) -> Callable | None:
     """attention(q, k, v, out, cu_seqlens, scale, causal, block) for `dtype` here, or None."""
-    return _build() if dtype in dtypes() else None
+    module = _build() if dtype in dtypes() else None
+    return None if module is None else module.attention
+
+
+def int8_passes() -> ModuleType | None:
+    """The module whose quantize_static, quantize_rows and dequantize run the passes around int8 products, where it
+    is built here; else None."""
+    return _build() if dtypes() else None
 
 
 @functools.cache
-def _build() -> Callable | None:
+def _build() -> ModuleType | None:
     from torch.utils import cpp_extension
 
-    source = SOURCE.read_bytes()
+    sources = {path.name: path.read_bytes() for path in SOURCES}
     flags = [*FLAGS, f"-DCPU_CAPABILITY={_capability()}", f"-DCPU_CAPABILITY_{_capability()}"]
-    identity = source + f"{torch.__version__} {sys.version} {_cpu_flags()} {flags}".encode()
-    name = f"st_fastbackend_attention_{hashlib.sha256(identity).hexdigest()[:12]}"
+    identity = b"".join(sources.values()) + f"{torch.__version__} {sys.version} {_cpu_flags()} {flags}".encode()
+    name = f"st_fastbackend_kernels_{hashlib.sha256(identity).hexdigest()[:12]}"
     folder = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()) / name
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        copy = folder / SOURCE.name  # one path for every checkout: ninja rebuilds where a path changes
-        if not copy.exists() or copy.read_bytes() != source:
-            copy.write_bytes(source)
+        for file, source in sources.items():  # one path for every checkout: ninja rebuilds where a path changes
+            if not (folder / file).exists() or (folder / file).read_bytes() != source:
+                (folder / file).write_bytes(source)
         _clear_stale_lock(folder / "lock")
         module = cpp_extension.load(
-            name, [str(copy)], extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(folder)
-        )
+            name, [str(folder / file) for file in sources], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+            build_directory=str(folder),
+        )  # fmt: skip
     except Exception as error:  # no compiler, no ninja, a PyTorch without these headers, a read-only cache
         reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
-        logger.warning("The CPU attention kernel could not be built (%s); attention runs through SDPA", reason)
+        logger.warning("The CPU kernels could not be built (%s); attention runs through SDPA, int8's passes through "
+                       "PyTorch", reason)  # fmt: skip
         return None
-    return module.attention
+    return module
 
 
 def _capability() -> str:

@@ -25,7 +25,7 @@ IN_PLACE = {
 class Linear(nn.Linear):
     """nn.Linear whose products run through oneDNN (engine/onednn.py) where the engine's Runtime says so:
     the engine sets `product_dtype` from it (None: PyTorch's F.linear; torch.int8: int8 products of
-    engine/quantize.py, their passes compiled where `compiled_passes` says), and without gradients only.
+    engine/quantize.py), and without gradients only.
 
     The reordered copies are made at the first product and again whenever the weight changes. Where the engine
     sets `releases_weight` and the copy is in the weight's own dtype, the copy holds every number of the weight,
@@ -35,7 +35,6 @@ class Linear(nn.Linear):
     the weights they copy (a quarter of it in int8)."""
 
     product_dtype: torch.dtype | None = None
-    compiled_passes: bool = True  # int8 only: the engine sets it from quantize.passes_compiled()
     releases_weight: bool = False  # the engine's own layers (no weight shared with another module)
     input_range: Tensor | None = None  # int8-static: [2, in] min and max per input channel (engine/calibration.py)
     _packed: dict | None = None
@@ -44,15 +43,14 @@ class Linear(nn.Linear):
         if not self._onednn():
             return pytorch_product(x, self.dense_weight(), self.bias)
         if self.product_dtype == torch.int8:
-            return quantize.product(x, self._part(0, 1), compiled=self.compiled_passes).to(self.weight.dtype)
+            return quantize.product(x, self._part(0, 1)).to(self.weight.dtype)
         return onednn.product(x, self._part(0, 1)).to(self.weight.dtype)
 
     def act(self, x: Tensor, name: str) -> Tensor:
         """ACT2FN[name](self(x)). Through oneDNN the activation runs inside the product and the result stays
         in the product dtype, which the next product takes."""
         if self._onednn() and self.product_dtype == torch.int8:  # the activation in the pass after the product
-            product = quantize.product(x, self._part(0, 1), name, self.compiled_passes)
-            return product.to(self.weight.dtype)
+            return quantize.product(x, self._part(0, 1), name).to(self.weight.dtype)
         if name in onednn.ACTIVATIONS and self._onednn():
             return onednn.product(x, self._part(0, 1), activation=name)
         if name in IN_PLACE and not torch.is_grad_enabled():
@@ -63,7 +61,9 @@ class Linear(nn.Linear):
         """ACT2FN[name](gate) * up, where gate and up are the two halves of this layer's outputs (Llama's
         SiLU MLP, Gemma's GELU-tanh MLP, ModernBERT's GeGLU). Through oneDNN both run inside the halves'
         products, the result in the product dtype; else after the product, compiled where asked."""
-        if name not in onednn.ACTIVATIONS or not self._onednn() or self.product_dtype == torch.int8:
+        if self._onednn() and self.product_dtype == torch.int8:
+            return quantize.product(x, self._part(0, 1), name, gated=True).to(self.weight.dtype)
+        if name not in onednn.ACTIVATIONS or not self._onednn():
             return fused.seams(compiled).gated(self(x), quantize.activation_module(name))
         x = x.to(self.product_dtype)  # once, for both halves
         gate = onednn.product(x, self._part(0, 2), activation=name)

@@ -26,15 +26,13 @@ inputs after an activation are mostly positive. A token's codes depend on nothin
 from __future__ import annotations
 
 import functools
-import os
-from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 from transformers.activations import ACT2FN
 
-from st_fastbackend.engine import fused, onednn
+from st_fastbackend.engine import cpu_kernel, fused, onednn
 from st_fastbackend.engine.spec import UnsupportedModelError
 
 QUANTIZE = ("int8", "int8-static")  # the values of model_kwargs["quantize"]
@@ -56,13 +54,15 @@ class QStatic(NamedTuple):
     zero_points: Tensor
     bias: Tensor | None
     inverse: Tensor  # [in] fp32: 1 / (smoothing factor * x_scale), per input channel
-    offset: Tensor  # 0-dim fp32: x_zero + 0.5 (floor(v + 0.5) rounds), a tensor so compiled passes take any
+    offset: Tensor  # 0-dim fp32: x_zero + 0.5 (floor(v + 0.5) rounds), for PyTorch's pass (addcmul)
     x_scale: float  # of the smoothed input, per tensor
     x_zero: int  # in 0..255
 
 
 # transformers' activation name -> the post-op qlinear_pointwise runs inside the int8 kernel (attribute, algorithm)
 KERNEL_ACTIVATIONS = {name: onednn.ACTIVATIONS[name] for name in ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")}
+# transformers' activation name -> its id in csrc/quantize.cpp's dequantize pass (0: none)
+PASS_ACTIVATIONS = {"gelu": 1, "gelu_new": 2, "gelu_pytorch_tanh": 2, "gelu_fast": 2, "relu": 3, "silu": 4, "swish": 4}
 
 
 def check_quantize(value: str | None, device: torch.device) -> str | None:
@@ -149,59 +149,83 @@ def dequantize(sums: Tensor, scale: Tensor, bias: Tensor | None, activation: nn.
     return out if activation is None else activation(out)
 
 
-def product(x: Tensor, packed: QPacked | QStatic, activation: str | None = None, compiled: bool = True) -> Tensor:
-    """activation(x @ weight.T + bias) for x [..., in] in any float dtype: fp32 [..., out]. In eager PyTorch the
-    passes around the kernel cost more than the int8 product itself; compiled into one kernel each, as the layer
-    seams are (engine/fused.py), they pay (eval/RESULTS.md, "2026-12-01 (night) — int8 products"). Packs under
-    fused.MIN_TOKENS tokens run them eagerly, as the seams do; `compiled=False` always (passes_compiled, decided
-    at load). `activation` is a transformers activation name (config.hidden_act)."""
+def product(x: Tensor, packed: QPacked | QStatic, activation: str | None = None, gated: bool = False) -> Tensor:
+    """activation(x @ weight.T + bias) for x [..., in] in any float dtype: fp32 [..., out]; `gated`:
+    activation(gate) * up of the output's two halves [..., out / 2] (a gated MLP). `activation` is a transformers
+    activation name (config.hidden_act).
+
+    The passes before and after the kernel run row by row in our C++ kernels (csrc/quantize.cpp) where they are built,
+    else in eager PyTorch: the same code for every pack, so a token's codes, and its numbers, do not depend on its
+    pack. Compiled passes for large packs and eager ones for small packs gave a row 1-ulp differences, which the next
+    product's codes turned into 1e-2 in an embedding (eval/RESULTS.md, 2026-12-07). An activation the C++ pass does
+    not have (not in PASS_ACTIVATIONS) runs in eager PyTorch after it."""
     shape = x.shape[:-1]
-    x = onednn.padded(x.reshape(-1, x.shape[-1]), torch.float32)  # [rows(T), in]
-    seams = _seams(compiled and x.shape[0] >= fused.MIN_TOKENS)
-    if isinstance(packed, QStatic):
-        out = _static_product(x, packed, activation, seams)
-        return out[: shape.numel()].unflatten(0, shape)
-    codes, scale = seams.quantize_rows(x)
-    # (codes, their scale and zero point, weight, its scales and zero points, bias, output scale and zero point,
-    # output dtype, post-op): [rows(T), out], sum(codes * weight codes) * weight scale
-    sums = torch.ops.onednn.qlinear_pointwise(
-        codes, 1.0, _SHIFT, *packed[:3], None, 1.0, 0, torch.float32, "none", [], ""
-    )
-    out = seams.dequantize(sums, scale, packed.bias, None if activation is None else activation_module(activation))
+    x = x.reshape(-1, x.shape[-1]).float()  # [T, in]
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    rows, kernels = onednn.product_rows(x.shape[0]), cpu_kernel.int8_passes()
+    if kernels is None:
+        out = _pytorch_product(onednn.padded(x, torch.float32), packed, activation, gated)
+    elif isinstance(packed, QStatic):
+        codes = x.new_empty((rows, x.shape[1]), dtype=torch.uint8)
+        kernels.quantize_static(x, packed.inverse, packed.x_zero + 0.5, codes)
+        inside = activation if activation in KERNEL_ACTIVATIONS and not gated else None  # oneDNN's post-op
+        out = _static_kernel(codes, packed, inside)
+        if activation != inside:
+            out = _finished(out, None, None, activation, gated, x.shape[0], kernels)
+    else:
+        codes, scale = x.new_empty((rows, x.shape[1]), dtype=torch.uint8), x.new_empty(rows)
+        kernels.quantize_rows(x, codes, scale)
+        out = _finished(_dynamic_kernel(codes, packed), scale, packed.bias, activation, gated, x.shape[0], kernels)
     return out[: shape.numel()].unflatten(0, shape)  # [rows(T), out] -> [..., out]
 
 
-def _static_product(x: Tensor, packed: QStatic, activation: str | None, seams: SimpleNamespace) -> Tensor:
-    """The kernel scales the sums by both scales, adds the bias and applies the activation where oneDNN has it."""
-    codes = seams.quantize_static(x, packed.inverse, packed.offset)
-    attr, algorithm = KERNEL_ACTIVATIONS.get(activation, ("none", ""))  # None or another: after the kernel
-    out = torch.ops.onednn.qlinear_pointwise(
-        codes, packed.x_scale, packed.x_zero, *packed[:4], 1.0, 0, torch.float32, attr, [], algorithm
-    )
-    return activation_module(activation)(out) if activation and activation not in KERNEL_ACTIVATIONS else out
+def _dynamic_kernel(codes: Tensor, packed: QPacked) -> Tensor:
+    """(codes, their scale and zero point, weight, its scales and zero points, bias, output scale and zero point,
+    output dtype, post-op): [rows(T), out], sum(codes * weight codes) * weight scale."""
+    return torch.ops.onednn.qlinear_pointwise(codes, 1.0, _SHIFT, *packed[:3], None, 1.0, 0, torch.float32, "none",
+                                              [], "")  # fmt: skip
+
+
+def _static_kernel(codes: Tensor, packed: QStatic, activation: str | None) -> Tensor:
+    """The kernel scales the sums by both scales, adds the bias and applies the activation (one of
+    KERNEL_ACTIVATIONS, or None)."""
+    attr, algorithm = KERNEL_ACTIVATIONS.get(activation, ("none", ""))
+    return torch.ops.onednn.qlinear_pointwise(codes, packed.x_scale, packed.x_zero, *packed[:4], 1.0, 0,
+                                              torch.float32, attr, [], algorithm)  # fmt: skip
+
+
+def _finished(y: Tensor, scale: Tensor | None, bias: Tensor | None, activation: str | None, gated: bool, tokens: int,
+              kernels) -> Tensor:  # fmt: skip
+    """The C++ pass after the kernel on y [rows(T), n]'s first `tokens` rows, in place: each token's scale, the bias,
+    the activation or act(gate) * up (into the first half: the result is y[:, :n / 2])."""
+    known = activation is None or activation in PASS_ACTIVATIONS
+    kernels.dequantize(y, scale, bias, PASS_ACTIVATIONS.get(activation, 0), tokens, gated and known)
+    if known:
+        return y[:, : y.shape[1] // 2] if gated else y
+    act = activation_module(activation)
+    return fused.EAGER.gated(y, act) if gated else act(y)
+
+
+def _pytorch_product(x: Tensor, packed: QPacked | QStatic, activation: str | None, gated: bool) -> Tensor:
+    """The same product with PyTorch's passes, where our C++ kernels are not built: x [rows(T), in]."""
+    act = None if activation is None else activation_module(activation)
+    if isinstance(packed, QStatic):
+        inside = activation if activation in KERNEL_ACTIVATIONS and not gated else None
+        out = _static_kernel(quantize_static(x, packed.inverse, packed.offset), packed, inside)
+        act = None if activation == inside else act
+    else:
+        codes, scale = quantize_rows(x)
+        out = dequantize(_dynamic_kernel(codes, packed), scale, packed.bias, None if gated else act)
+        act = act if gated else None
+    if act is None:
+        return out
+    return fused.EAGER.gated(out, act) if gated else act(out)
 
 
 @functools.cache
 def activation_module(name: str) -> nn.Module:
-    """ACT2FN[name], one module per name (transformers makes a new one at each lookup; a compiled pass takes
-    the same one every time)."""
+    """ACT2FN[name], one module per name (transformers makes a new one at each lookup)."""
     return ACT2FN[name]
-
-
-def passes_compiled() -> bool:
-    """Whether the passes around the int8 kernel run compiled: yes, unless ST_FASTBACKEND_COMPILE=0 (read when a
-    model decides its runtime, not at each product)."""
-    return os.environ.get("ST_FASTBACKEND_COMPILE") != "0"
-
-
-@functools.cache
-def _seams(compiled: bool) -> SimpleNamespace:
-    """The two passes around the kernel, compiled (once per process, dynamic shapes, failures logged and run
-    eagerly: engine/fused.py's wrapper) or eager."""
-    wrap = fused._Timed if compiled else (lambda f: f)
-    return SimpleNamespace(
-        quantize_rows=wrap(quantize_rows), dequantize=wrap(dequantize), quantize_static=wrap(quantize_static)
-    )
 
 
 def reference_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

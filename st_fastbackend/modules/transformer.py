@@ -247,11 +247,9 @@ class PackedTransformer(InputModule):
 
     def _use(self, runtime: Runtime) -> None:
         """Set the engine's layers up for `runtime` (logged): at load, and again whenever it changes."""
-        compiled_passes = quantize.passes_compiled()
         for layer in self.model.modules():
             if isinstance(layer, Linear):
                 layer.product_dtype = torch.int8 if self.quantize else runtime.product_dtype
-                layer.compiled_passes = compiled_passes
                 layer.releases_weight = True  # the engine's own: no weight shared with another module
         logger.info(f"Runtime: {runtime}" + (f"; Linear layers quantize={self.quantize!r}" if self.quantize else ""))
         self._runtime = runtime

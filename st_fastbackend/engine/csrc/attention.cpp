@@ -245,7 +245,3 @@ void attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at
   TORCH_CHECK(false, "bf16 attention needs the AVX-512 build (a CPU with AMX)");
 #endif
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("attention", &attention, "exact-softmax attention over packed fp32 or bf16 sequences");
-}
