@@ -244,9 +244,11 @@ def _format(row: dict) -> str:
     plain, fast = row["plain"], row["fast"]
     if row["dtype"] == "fp32":
         fidelity = f"max|diff| {fast['max_abs_diff_vs_fp32_plain']:.1e}"
-    else:
+    elif "max_1_minus_cos_vs_fp32_plain" in fast:  # absent where --dtypes has no fp32 to compare with
         worst = "max_1_minus_cos_vs_fp32_plain"
         fidelity = f"1-cos fast {fast[worst]:.1e} plain {plain[worst]:.1e}"
+    else:
+        fidelity = "(no fp32 run to compare with)"
     if "rows_same_active_dims" in fast:
         fidelity += f"  same active dims {fast['rows_same_active_dims']}/{row['texts']} rows"
     if "texts_same_shape" in fast:

@@ -172,6 +172,25 @@ def test_the_sdpa_loop_takes_what_the_kernel_does_not(monkeypatch):
     assert len(calls) == 1
 
 
+def test_bf16_products_without_a_bf16_kernel_take_the_kernel_at_fp32(monkeypatch):
+    """An fp32 model with bf16 products on a CPU where the kernel runs fp32 only (AVX512-BF16 without AMX: a Zen 4)
+    takes the kernel at fp32, the same bits as an fp32 model's attention, not SDPA at bf16 (1.8x slower there)."""
+    from st_fastbackend.engine.runtime import choose_runtime
+
+    monkeypatch.setattr(cpu_kernel, "dtypes", lambda: (torch.float32,))
+    runtime = choose_runtime("cpu", torch.float32, product_dtype=torch.bfloat16)
+    assert runtime.kernel == "cpu_kernel" and runtime.product_dtype == torch.bfloat16
+    q, k, v = random_qkv(sum(LENGTHS), 4, 2, 64, torch.float32)
+    batch = PackedBatch.from_sequences([[0] * n for n in LENGTHS])
+    out = attention.sdpa_attention(q, k, v, batch, causal=True, window=None, runtime=runtime)
+    assert out.dtype == torch.float32 and torch.equal(out, run_kernel(q, k, v, LENGTHS, causal=True))
+    monkeypatch.setattr(cpu_kernel, "dtypes", lambda: ())  # no kernel: SDPA in the products' bf16
+    loop = Runtime("sdpa_loop", grouped_heads=True, window=True, is_causal=True, dtype=torch.float32,
+                   product_dtype=torch.bfloat16)  # fmt: skip
+    bf16 = attention.sdpa_attention(q, k, v, batch, causal=True, window=None, runtime=loop)
+    assert 1e-3 < (bf16 - out).abs().max() < 5e-2
+
+
 @pytest.mark.parametrize("family", ["bert", "mistral"])
 def test_fp32_models_through_the_kernel_are_exact(st_model, texts, family, monkeypatch):
     """Against plain sentence-transformers, and not the loop's bits (the kernel ran)."""
