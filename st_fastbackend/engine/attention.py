@@ -117,7 +117,7 @@ def sdpa_attention(
     if runtime.kernel == "cpu_kernel" and prefix is None and batch.attended is None and not window_cuts(
         window, batch.max_seqlen
     ):
-        taken = dtype if products not in cpu_kernel.dtypes() and dtype in cpu_kernel.dtypes() else products
+        taken = cpu_kernel.attention_dtype(dtype, products) or products
         out = _kernel_attention(q.to(taken), k.to(taken), v.to(taken), batch, causal, scale)
         if out is not None:
             return out.to(dtype)

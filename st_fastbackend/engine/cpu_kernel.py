@@ -46,7 +46,14 @@ def dtypes() -> tuple[torch.dtype, ...]:
     return (torch.float32, torch.bfloat16) if _capability() == "AVX512" and amx and bf16 else (torch.float32,)
 
 
-def attention_for(dtype: torch.dtype) -> Callable | None:
+def attention_dtype(dtype: torch.dtype, products: torch.dtype) -> torch.dtype | None:
+    """The dtype the kernel takes attention in for a model in `dtype` whose products run in `products`: the
+    products' where it runs them, else the model's (bf16 products of an fp32 model without AMX: attention stays
+    fp32), else None."""
+    return next((t for t in (products, dtype) if t in dtypes()), None)
+
+
+def attention_for(dtype: torch.dtype | None) -> Callable | None:
     """attention(q, k, v, out, cu_seqlens, scale, causal, block) for `dtype` here, or None."""
     module = _build() if dtype in dtypes() else None
     return None if module is None else module.attention

@@ -98,8 +98,8 @@ def choose_runtime(
             )
     # PyTorch's CPU flash kernel takes grouped heads; on CUDA the memory-efficient SDPA kernel (fp32,
     # masks) does not, and grouped heads would send it to the math kernel: repeat k/v there.
-    # bf16 products of an fp32 model where the kernel runs fp32 only: attention through the kernel at fp32
-    kernel = device_type == "cpu" and any(cpu_kernel.attention_for(t) for t in {product_dtype or dtype, dtype})
+    taken = cpu_kernel.attention_dtype(dtype, product_dtype or dtype)  # fp32 for bf16 products without AMX
+    kernel = device_type == "cpu" and cpu_kernel.attention_for(taken) is not None
     return Runtime(
         "cpu_kernel" if kernel else "sdpa_loop",
         grouped_heads=device_type == "cpu",
