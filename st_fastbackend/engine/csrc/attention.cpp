@@ -1,12 +1,13 @@
 // Exact-softmax attention over packed sequences on x86-64 CPUs with AVX2 or AVX-512: one parallel region per call.
 //
 // q [T, Hq, D], k and v [T, Hkv, D] (Hq a multiple of Hkv; rows may be strided, each row's heads contiguous), out
-// [T, Hq, D], cu_seqlens int32 [B + 1]; all fp32, or all bf16 (AVX-512 builds, AMX). One work item per (sequence,
-// query head), handed out in order by an atomic counter. Per item, the key head's keys and values are copied into
-// blocks of KEYS (zeros past the sequence's end), unless the thread's last item had that key head; then for each
-// block of query rows: scores = q.k^T block by block through PyTorch's cpublas::brgemm (oneDNN; fp32 sums), a softmax
-// row by row in fp32 (max, exp, sum), out = p.v summed over the key blocks by brgemm, divided by the row's sum.
-// bf16: keys and values in oneDNN's VNNI pairs for AMX tiles, probabilities rounded to bf16 before p.v (as PyTorch's
+// [T, Hq, D], cu_seqlens int32 [B + 1]; all fp32, or all bf16 (AVX-512 builds, a CPU with bf16 dot products). One
+// work item per (sequence, group of key heads: heads_per_item), handed out in order by an atomic counter. Per item,
+// its key heads' keys and values are copied into blocks of KEYS (zeros past the sequence's end), then for each block
+// of query rows and each of the item's query heads: scores = q.k^T block by block through PyTorch's cpublas::brgemm
+// (oneDNN; fp32 sums), a softmax row by row in fp32 (max, exp, sum), out = p.v summed over the key blocks by brgemm,
+// divided by the row's sum.
+// bf16: keys and values in oneDNN's VNNI pairs, probabilities rounded to bf16 before p.v (as PyTorch's
 // flash kernel rounds them), the output rounded to bf16.
 // Causal: a query at row r sees keys 0..r.
 //
@@ -39,43 +40,58 @@ constexpr int64_t ROWS = 16;        // query rows and a last key block round up 
 // fp32 q.k^T sums at most SLICE products in one chain and adds the slices: one chain of 256 (Gemma's heads) was 1.6x
 // as far from exact as PyTorch's fp32 kernel on AVX2, slices of 128 as close as it (eval/RESULTS.md, 2026-12-06).
 constexpr int64_t SLICE = 128;
+constexpr int64_t ITEM_BYTES = 256 * 1024;  // one work item's keys and values at most (where heads can be split)
+constexpr int64_t PREFETCH = 8;             // rows ahead that a gather asks for
 
 int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
-// fp32 keys: block b is K^T [d, KEYS] row-major, of keys b * KEYS onwards; values: block b is V [KEYS, d].
-void pack_keys(const float* k, int64_t ld, int64_t n, int64_t d, float* out) {
-  std::memset(out, 0, sizeof(float) * round_up(n, KEYS) * d);
-  for (int64_t j = 0; j < n; j++)
-    for (int64_t c = 0; c < d; c++) out[(j / KEYS * d + c) * KEYS + j % KEYS] = k[j * ld + c];
+// Asks for row j + PREFETCH of x (row stride ld, `bytes` from each row's start) while row j is read.
+template <typename T>
+void prefetch_ahead(const T* x, int64_t ld, int64_t j, int64_t n, int64_t bytes) {
+  if (j + PREFETCH < n)
+    for (int64_t byte = 0; byte < bytes; byte += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(x + (j + PREFETCH) * ld) + byte, _MM_HINT_T0);
 }
 
-void pack_values(const float* v, int64_t ld, int64_t n, int64_t d, float* out) {
-  std::memset(out, 0, sizeof(float) * round_up(n, KEYS) * d);
-  for (int64_t j = 0; j < n; j++) std::memcpy(out + j * d, v + j * ld, sizeof(float) * d);
+// `bytes` (a multiple of 32) from `from` to `to`.
+void copy(void* to, const void* from, int64_t bytes) {
+  for (int64_t at = 0; at < bytes; at += 32)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<char*>(to) + at),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const char*>(from) + at)));
 }
 
-#if defined(CPU_CAPABILITY_AVX512)
-// bf16 keys: block b is K^T [d, KEYS] in VNNI pairs ([d / 2, KEYS, 2]): as 32-bit words, key j's columns 2c and
-// 2c + 1 at (b * d / 2 + c) * KEYS + j % KEYS.
-void pack_keys(const BFloat16* k, int64_t ld, int64_t n, int64_t d, BFloat16* out) {
-  std::memset(out, 0, sizeof(BFloat16) * round_up(n, KEYS) * d);
-  auto src = reinterpret_cast<const uint32_t*>(k);
-  auto dst = reinterpret_cast<uint32_t*>(out);
-  for (int64_t j = 0; j < n; j++)
-    for (int64_t c = 0; c < d / 2; c++) dst[(j / KEYS * (d / 2) + c) * KEYS + j % KEYS] = src[j * (ld / 2) + c];
+// Keys: block b is K^T [d, KEYS] row-major, of keys b * KEYS onwards (bf16: in VNNI pairs, [d / 2, KEYS, 2]: as
+// 32-bit words, key j's columns 2c and 2c + 1 at (b * d / 2 + c) * KEYS + j % KEYS). Values: block b is V [KEYS, d]
+// (bf16: in VNNI pairs, [KEYS / 2, d, 2]: rows 2i and 2i + 1 of column c at (i * d + c) * 2; an odd last row is
+// paired with zeros). Either way block b holds elements b * KEYS * d onwards; keys and values past the sequence are
+// zeros, written by start_heads before its rows are packed.
+void pack_key(const float* row, int64_t j, int64_t d, float* keys) {
+  float* at = keys + j / KEYS * d * KEYS + j % KEYS;
+  for (int64_t c = 0; c < d; c++) at[c * KEYS] = row[c];
 }
 
-// bf16 values: block b is V [KEYS, d] in VNNI pairs ([KEYS / 2, d, 2]): as 32-bit words, rows 2i and 2i + 1 of
-// column c at i * d + c (blocks follow each other, KEYS even); an odd last row is paired with zeros.
-void pack_values(const BFloat16* v, int64_t ld, int64_t n, int64_t d, BFloat16* out) {
-  std::memset(out, 0, sizeof(BFloat16) * round_up(n, KEYS) * d);
-  auto dst = reinterpret_cast<uint32_t*>(out);
-  for (int64_t j = 0; j < n; j++) {
-    auto row = reinterpret_cast<const uint16_t*>(v + j * ld);
-    for (int64_t c = 0; c < d; c++) dst[j / 2 * d + c] |= uint32_t(row[c]) << (16 * (j % 2));
+void pack_key(const BFloat16* row, int64_t j, int64_t d, BFloat16* keys) {
+  auto from = reinterpret_cast<const uint32_t*>(row);
+  uint32_t* at = reinterpret_cast<uint32_t*>(keys) + j / KEYS * (d / 2) * KEYS + j % KEYS;
+  for (int64_t c = 0; c < d / 2; c++) at[c * KEYS] = from[c];
+}
+
+void pack_value(const float* row, int64_t j, int64_t d, float* values) { copy(values + j * d, row, sizeof(float) * d); }
+
+void pack_value(const BFloat16* row, int64_t j, int64_t d, BFloat16* values) {
+  BFloat16* at = values + j / 2 * 2 * d + j % 2;
+  for (int64_t c = 0; c < d; c++) at[2 * c] = row[c];
+}
+
+// Zeros where `heads` heads' keys and values (`room` keys each) lie past a sequence of `len`.
+template <typename T>
+void start_heads(T* keys, T* values, int64_t heads, int64_t room, int64_t len, int64_t d) {
+  const int64_t end = round_up(len, KEYS) * d, pair = std::is_same_v<T, BFloat16> ? len % 2 : 0;
+  for (int64_t g = 0; g < heads; g++) {
+    std::fill(keys + g * room * d + len / KEYS * KEYS * d, keys + g * room * d + end, T(0));
+    std::fill(values + g * room * d + (len - pair) * d, values + g * room * d + end, T(0));
   }
 }
-#endif
 
 void add(float* into, const float* from, int64_t count) {
   int64_t i = 0;
@@ -134,70 +150,104 @@ float softmax_row(float* s, int64_t keys, int64_t width, int64_t stride, float s
   return 1.f / reduce(sum, false);
 }
 
+// The kv heads one work item takes: the most that divide hkv with their keys and values within ITEM_BYTES (an L2's
+// share), fewer where that would leave under 4 items per thread. A sequence's rows are read once per item, each
+// row's heads in one contiguous run (a row per head, 4.6 KB apart in MiniLM's fused q/k/v, missed the prefetchers:
+// 13% of the kernel's time waited on those loads). The result does not depend on it: each head's products and
+// softmax are the same whatever item holds them.
+int64_t heads_per_item(int64_t hkv, int64_t room, int64_t d, int64_t bytes, int64_t sequences) {
+  const int64_t threads = at::get_num_threads();
+  for (int64_t c = hkv; c > 1; c--)
+    if (hkv % c == 0 && 2 * room * d * c * bytes <= ITEM_BYTES && sequences * (hkv / c) >= 4 * threads) return c;
+  return 1;
+}
+
 template <typename T>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, const int32_t* cu,
             int64_t sequences, int64_t longest, float scale, bool causal, int64_t block) {
   constexpr bool reduced = std::is_same_v<T, BFloat16>;
-  const int64_t hq = q.size(1), hkv = k.size(1), d = q.size(2), group = hq / hkv, items = sequences * hq;
+  const int64_t hq = q.size(1), hkv = k.size(1), d = q.size(2), group = hq / hkv;
   const int64_t room = round_up(longest, KEYS), stride = block * KEYS;  // a key block's scores: [block, KEYS]
+  const int64_t per = heads_per_item(hkv, room, d, sizeof(T), sequences), chunks = hkv / per;
+  const int64_t items = sequences * chunks, qheads = per * group;  // an item: kv heads c * per .. and their queries
   const T *Q = q.data_ptr<T>(), *K = k.data_ptr<T>(), *V = v.data_ptr<T>();
   T* O = out.data_ptr<T>();
   const int64_t sq = q.stride(0), sk = k.stride(0), sv = v.stride(0), so = out.stride(0);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<T> keys(room * d), values(room * d), queries(block * d), probabilities(reduced ? room * block : 0);
-    std::vector<float> scores(room * block), partial(!reduced && d > SLICE ? stride : 0), acc(block * d);
-    std::vector<float> inverse(block);
-    int64_t packed = -1;  // the (sequence, key head) whose keys and values are in the buffers
+    std::vector<T> keys(per * room * d), values(per * room * d), queries(qheads * block * d);
+    std::vector<T> probabilities(reduced ? room * block : 0);
+    std::vector<float> scores(room * block), partial(!reduced && d > SLICE ? stride : 0), acc(qheads * block * d);
+    std::vector<float> inverse(qheads * block);
     for (int64_t item; (item = next.fetch_add(1)) < items;) {
-      const int64_t b = item / hq, h = item % hq, start = cu[b], len = cu[b + 1] - cu[b];
-      if (b * hkv + h / group != packed) {  // grouped query heads share it: packed again only for another
-        pack_keys(K + start * sk + h / group * d, sk, len, d, keys.data());
-        pack_values(V + start * sv + h / group * d, sv, len, d, values.data());
-        packed = b * hkv + h / group;
+      const int64_t b = item / chunks, first = item % chunks * per, start = cu[b], len = cu[b + 1] - cu[b];
+      // the keys and values of the item's kv heads, packed per head, each row's heads read in one run
+      const T *ks = K + start * sk + first * d, *vs = V + start * sv + first * d;
+      start_heads(keys.data(), values.data(), per, room, len, d);
+      for (int64_t j = 0; j < len; j++) {
+        prefetch_ahead(ks, sk, j, len, sizeof(T) * per * d);
+        prefetch_ahead(vs, sv, j, len, sizeof(T) * per * d);
+        for (int64_t g = 0; g < per; g++) {
+          pack_key(ks + j * sk + g * d, j, d, keys.data() + g * room * d);
+          pack_value(vs + j * sv + g * d, j, d, values.data() + g * room * d);
+        }
       }
       for (int64_t r0 = 0; r0 < len; r0 += block) {
         const int64_t m = std::min(block, len - r0), rows = round_up(m, ROWS);
         const int64_t n = causal ? r0 + m : len, width = round_up(n, ROWS);  // keys seen, their padded columns
-        std::fill(queries.begin() + m * d, queries.begin() + rows * d, T(0));
-        for (int64_t row = 0; row < m; row++)
-          std::memcpy(queries.data() + row * d, Q + (start + r0 + row) * sq + h * d, sizeof(T) * d);
-        for (int64_t j = 0; j < width; j += KEYS) {  // scores of key block j / KEYS: [rows, KEYS], cols filled
-          const int64_t cols = std::min(KEYS, width - j);
-          float* s = scores.data() + j / KEYS * stride;
-          const T* kt = keys.data() + j * d;
-          if (reduced || d <= SLICE) {
-            at::native::cpublas::brgemm(rows, cols, d, d, KEYS, KEYS, false, queries.data(), kt, s, reduced);
-          } else {  // fp32 sums over slices of the head's columns, added
-            for (int64_t c = 0; c < d; c += SLICE) {
-              float* sums = c == 0 ? s : partial.data();
-              at::native::cpublas::brgemm(rows, cols, std::min(SLICE, d - c), d, KEYS, KEYS, false,
-                                          queries.data() + c, kt + c * KEYS, sums, false);
-              if (c > 0) add(s, sums, rows * KEYS);
+        // the block's queries of every query head of the item: [qheads][block][d], rows past m zero
+        const T* qs = Q + (start + r0) * sq + first * group * d;
+        for (int64_t row = 0; row < m; row++) {
+          prefetch_ahead(qs, sq, row, m, sizeof(T) * qheads * d);
+          for (int64_t h = 0; h < qheads; h++)
+            copy(queries.data() + (h * block + row) * d, qs + row * sq + h * d, sizeof(T) * d);
+        }
+        for (int64_t h = 0; h < qheads; h++) {
+          T* qh = queries.data() + h * block * d;
+          std::fill(qh + m * d, qh + rows * d, T(0));
+          const T *kh = keys.data() + h / group * room * d, *vh = values.data() + h / group * room * d;
+          for (int64_t j = 0; j < width; j += KEYS) {  // scores of key block j / KEYS: [rows, KEYS], cols filled
+            const int64_t cols = std::min(KEYS, width - j);
+            float* s = scores.data() + j / KEYS * stride;
+            const T* kt = kh + j * d;
+            if (reduced || d <= SLICE) {
+              at::native::cpublas::brgemm(rows, cols, d, d, KEYS, KEYS, false, qh, kt, s, reduced);
+            } else {  // fp32 sums over slices of the head's columns, added
+              for (int64_t c = 0; c < d; c += SLICE) {
+                float* sums = c == 0 ? s : partial.data();
+                at::native::cpublas::brgemm(rows, cols, std::min(SLICE, d - c), d, KEYS, KEYS, false, qh + c,
+                                            kt + c * KEYS, sums, false);
+                if (c > 0) add(s, sums, rows * KEYS);
+              }
             }
           }
+          T* p = reduced ? probabilities.data() : reinterpret_cast<T*>(scores.data());
+          float* inv = inverse.data() + h * block;
+          for (int64_t row = 0; row < m; row++)
+            inv[row] = softmax_row(scores.data() + row * KEYS, causal ? r0 + row + 1 : n, width, stride, scale,
+                                   p + row * KEYS);
+          for (int64_t row = m; row < rows; row++)  // rows past the sequence: zero probabilities, ignored sums
+            for (int64_t j = 0; j < width; j += KEYS)
+              std::fill_n(p + j / KEYS * stride + row * KEYS, std::min(KEYS, width - j), T(0));
+          float* a = acc.data() + h * block * d;
+          for (int64_t j = 0; j < width; j += KEYS)  // a [rows, d] += p [rows, cols] . v [cols, d]
+            at::native::cpublas::brgemm(rows, d, std::min(KEYS, width - j), KEYS, d, d, j > 0,
+                                        p + j / KEYS * stride, vh + j * d, a, reduced);
         }
-        T* p = reduced ? probabilities.data() : reinterpret_cast<T*>(scores.data());
-        for (int64_t row = 0; row < m; row++)
-          inverse[row] = softmax_row(scores.data() + row * KEYS, causal ? r0 + row + 1 : n, width, stride, scale,
-                                     p + row * KEYS);
-        for (int64_t row = m; row < rows; row++)  // rows past the sequence: zero probabilities, ignored sums
-          for (int64_t j = 0; j < width; j += KEYS)
-            std::fill_n(p + j / KEYS * stride + row * KEYS, std::min(KEYS, width - j), T(0));
-        for (int64_t j = 0; j < width; j += KEYS)  // acc [rows, d] += p [rows, cols] . v [cols, d]
-          at::native::cpublas::brgemm(rows, d, std::min(KEYS, width - j), KEYS, d, d, j > 0, p + j / KEYS * stride,
-                                      values.data() + j * d, acc.data(), reduced);
-        T* o = O + (start + r0) * so + h * d;
-        for (int64_t row = 0; row < m; row++) {
-          const Vec inv(inverse[row]);
-          if constexpr (reduced) {
+        for (int64_t row = 0; row < m; row++) {  // the block's output rows, each row's heads in one run
+          T* o = O + (start + r0 + row) * so + first * group * d;
+          for (int64_t h = 0; h < qheads; h++) {
+            const Vec inv(inverse[h * block + row]);
+            const float* a = acc.data() + (h * block + row) * d;
+            if constexpr (reduced) {
 #if defined(CPU_CAPABILITY_AVX512)
-            for (int64_t c = 0; c < d; c += W)
-              _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + row * so + c),
-                                  at::vec::cvtfp32_bf16(__m512(Vec::loadu(acc.data() + row * d + c) * inv)));
+              for (int64_t c = 0; c < d; c += W)
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + h * d + c),
+                                    at::vec::cvtfp32_bf16(__m512(Vec::loadu(a + c) * inv)));
 #endif
-          } else {
-            for (int64_t c = 0; c < d; c += W) (Vec::loadu(acc.data() + row * d + c) * inv).store(o + row * so + c);
+            } else {
+              for (int64_t c = 0; c < d; c += W) (Vec::loadu(a + c) * inv).store(o + h * d + c);
+            }
           }
         }
       }
