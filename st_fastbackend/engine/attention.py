@@ -110,17 +110,15 @@ def sdpa_attention(
     keys are [prefix ; its own] and its queries sit at positions P to P + L - 1.
 
     An fp32 model whose products run in bf16 (engine/onednn.py) runs attention's two products in bf16
-    too (PyTorch's fp32 kernel slows down 4x under that setting here), except where our kernel takes the
-    attention at fp32 only (a CPU with AVX512-BF16 but no AMX: MiniLM's attention in 10.2 ms per layer
-    against SDPA's 18.8 ms at bf16 on a Zen 4, 4,183 tokens of 20 to 256): there it stays fp32."""
+    too (PyTorch's fp32 kernel slows down 4x under that setting here): in our kernel from the fp32 tensors, rounded
+    as it reads them, to an fp32 result; in SDPA from bf16 copies."""
     dtype, products = q.dtype, runtime.product_dtype or q.dtype
     if runtime.kernel == "cpu_kernel" and prefix is None and batch.attended is None and not window_cuts(
         window, batch.max_seqlen
     ):
-        taken = cpu_kernel.attention_dtype(dtype, products) or products
-        out = _kernel_attention(q.to(taken), k.to(taken), v.to(taken), batch, causal, scale)
+        out = _kernel_attention(q, k, v, batch, causal, scale, cpu_kernel.attention_dtype(dtype, products))
         if out is not None:
-            return out.to(dtype)
+            return out
     q, k, v = q.to(products), k.to(products), v.to(products)
     if not runtime.grouped_heads:
         k, v = _repeat_kv(k, v, q.shape[1])
@@ -153,15 +151,19 @@ def sdpa_attention(
     return out.to(dtype)
 
 
-def _kernel_attention(q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch, causal: bool, scale: float | None):
-    """The whole pack in one call of our CPU kernel (engine/cpu_kernel.py) where it runs this dtype and the head
-    size is a multiple of 16; else None."""
-    kernel = cpu_kernel.attention_for(q.dtype) if q.shape[-1] % 16 == 0 else None  # the runtime's: a CPU
-    if kernel is None:
+def _kernel_attention(
+    q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch, causal: bool, scale: float | None, products: torch.dtype | None
+) -> Tensor | None:
+    """The whole pack in one call of our CPU kernel (engine/cpu_kernel.py), its products in `products` (bf16 products
+    of fp32 tensors round them as it reads them), where it runs them, the tensors are fp32 or bf16 and the head size
+    is a multiple of 16; else None."""
+    kernel = cpu_kernel.attention_for(products) if q.shape[-1] % 16 == 0 else None  # the runtime's: a CPU
+    if kernel is None or q.dtype not in cpu_kernel.dtypes():
         return None
     q, k, v = (t if t.stride(1) == t.shape[-1] and t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out = onednn.with_room(q.shape, q)
-    kernel(q, k, v, out, batch.cu_seqlens, q.shape[-1] ** -0.5 if scale is None else scale, causal, cpu_kernel.BLOCK)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    kernel(q, k, v, out, batch.cu_seqlens, scale, causal, cpu_kernel.BLOCK, products == torch.bfloat16)
     return out
 
 

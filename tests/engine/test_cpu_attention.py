@@ -18,8 +18,10 @@ from st_fastbackend.engine.batch import PackedBatch
 from st_fastbackend.engine.runtime import Runtime
 
 pytestmark = pytest.mark.skipif(not cpu_kernel.dtypes(), reason="needs an x86-64 CPU with AVX2 or AVX-512")
-needs_amx = pytest.mark.skipif(torch.bfloat16 not in cpu_kernel.dtypes(), reason="bf16 needs a CPU with AMX-BF16")
-DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=needs_amx)]
+needs_bf16 = pytest.mark.skipif(
+    torch.bfloat16 not in cpu_kernel.dtypes(), reason="bf16 needs AVX-512 and bf16 dot products (AVX512-BF16 or AMX)"
+)
+DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16)]
 LENGTHS = [257, 130, 65, 64, 64, 63, 31, 17, 2, 1]  # past one and two blocks of 64 query rows, odd key counts
 # (query heads, key heads, head size, causal): MiniLM, BERT-base, the small Mistral, e5-mistral's group, edges
 SHAPES = [
@@ -33,11 +35,12 @@ def kernel(dtype=torch.float32):
     return built
 
 
-def run_kernel(q, k, v, lengths, causal, scale=None):
+def run_kernel(q, k, v, lengths, causal, scale=None, products=None):
     batch = PackedBatch.from_sequences([[0] * n for n in lengths])
     out = torch.empty_like(q)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    kernel(q.dtype)(q, k, v, out, batch.cu_seqlens, scale, causal, cpu_kernel.BLOCK)
+    products = products or q.dtype
+    kernel(products)(q, k, v, out, batch.cu_seqlens, scale, causal, cpu_kernel.BLOCK, products == torch.bfloat16)
     return out
 
 
@@ -71,7 +74,7 @@ def test_fp32_is_as_exact_as_the_sdpa_loop(heads, kv_heads, head_dim, causal, sc
     assert ours.max() < 3e-5
 
 
-@needs_amx
+@needs_bf16
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "causal"), SHAPES)
 @pytest.mark.parametrize("scale", [None, 0.3])
 def test_bf16_as_close_to_exact_attention_as_pytorchs(heads, kv_heads, head_dim, causal, scale, monkeypatch):
@@ -82,6 +85,21 @@ def test_bf16_as_close_to_exact_attention_as_pytorchs(heads, kv_heads, head_dim,
     assert ours.max() <= 1.25 * pytorch.max() + 1e-3, (ours.max(), pytorch.max())
     assert ours.mean() <= 1.25 * pytorch.mean(), (ours.mean(), pytorch.mean())
     assert ours.max() < 0.05
+
+
+@needs_bf16
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "causal"), SHAPES)
+def test_bf16_products_of_fp32_tensors_are_those_of_the_rounded_tensors(heads, kv_heads, head_dim, causal):
+    """fp32 q, k, v rounded to bf16 as the kernel reads them: the bf16 kernel's result on tensors rounded first, but
+    not rounded itself (the fp32 output rounds to exactly the bf16 one)."""
+    q, k, v = random_qkv(sum(LENGTHS), heads, kv_heads, head_dim, torch.float32)
+    ours = run_kernel(q, k, v, LENGTHS, causal, products=torch.bfloat16)
+    rounded = run_kernel(q.bfloat16(), k.bfloat16(), v.bfloat16(), LENGTHS, causal)
+    assert ours.dtype == torch.float32 and torch.equal(ours.bfloat16(), rounded)
+    assert not torch.equal(ours, rounded.float())
+    with pytest.raises(RuntimeError, match="bf16 tensors take bf16 products"):
+        kernel()(q.bfloat16(), k.bfloat16(), v.bfloat16(), rounded, torch.tensor([0, q.shape[0]], dtype=torch.int32),
+                 0.1, causal, 64, False)  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -120,13 +138,13 @@ def test_refuses_what_it_does_not_compute():
     ]
     for args, message in cases:
         with pytest.raises(RuntimeError, match=message):
-            kernel()(*args, 0.1, False, 64)
+            kernel()(*args, 0.1, False, 64, False)
     with pytest.raises(RuntimeError, match="positive multiple of 16"):
-        kernel()(q, k, v, torch.empty_like(q), cu, 0.1, False, 24)
+        kernel()(q, k, v, torch.empty_like(q), cu, 0.1, False, 24, False)
     with pytest.raises(RuntimeError, match="positive softmax scale"):
-        kernel()(q, k, v, torch.empty_like(q), cu, -0.1, False, 64)
+        kernel()(q, k, v, torch.empty_like(q), cu, -0.1, False, 64, False)
     with pytest.raises(RuntimeError, match="multiple of key heads"):
-        kernel()(q, k[:, :0], v[:, :0], torch.empty_like(q), cu, 0.1, False, 64)
+        kernel()(q, k[:, :0], v[:, :0], torch.empty_like(q), cu, 0.1, False, 64, False)
 
 
 def resident_mib() -> float:
@@ -173,8 +191,8 @@ def test_the_sdpa_loop_takes_what_the_kernel_does_not(monkeypatch):
 
 
 def test_bf16_products_without_a_bf16_kernel_take_the_kernel_at_fp32(monkeypatch):
-    """An fp32 model with bf16 products on a CPU where the kernel runs fp32 only (AVX512-BF16 without AMX: a Zen 4)
-    takes the kernel at fp32, the same bits as an fp32 model's attention, not SDPA at bf16 (1.8x slower there)."""
+    """An fp32 model with bf16 products where the kernel runs fp32 only (ATEN_CPU_CAPABILITY=avx2 on a bf16 CPU) takes
+    the kernel at fp32, the same bits as an fp32 model's attention, not SDPA at bf16 (1.8x slower on a Zen 4)."""
     from st_fastbackend.engine.runtime import choose_runtime
 
     monkeypatch.setattr(cpu_kernel, "dtypes", lambda: (torch.float32,))
@@ -191,6 +209,20 @@ def test_bf16_products_without_a_bf16_kernel_take_the_kernel_at_fp32(monkeypatch
     assert 1e-3 < (bf16 - out).abs().max() < 5e-2
 
 
+@needs_bf16
+def test_bf16_products_of_an_fp32_model_take_the_kernel_in_bf16():
+    """Where the kernel runs bf16, an fp32 model's bf16 products take it in bf16 from the fp32 tensors, an fp32
+    result (1.4x as fast as fp32 on a Zen 4)."""
+    from st_fastbackend.engine.runtime import choose_runtime
+
+    runtime = choose_runtime("cpu", torch.float32, product_dtype=torch.bfloat16)
+    q, k, v = random_qkv(sum(LENGTHS), 4, 2, 64, torch.float32)
+    batch = PackedBatch.from_sequences([[0] * n for n in LENGTHS])
+    out = attention.sdpa_attention(q, k, v, batch, causal=True, window=None, runtime=runtime)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, run_kernel(q, k, v, LENGTHS, causal=True, products=torch.bfloat16))
+
+
 @pytest.mark.parametrize("family", ["bert", "mistral"])
 def test_fp32_models_through_the_kernel_are_exact(st_model, texts, family, monkeypatch):
     """Against plain sentence-transformers, and not the loop's bits (the kernel ran)."""
@@ -201,7 +233,7 @@ def test_fp32_models_through_the_kernel_are_exact(st_model, texts, family, monke
     assert max_diff(fast.encode(texts), ours) > 0
 
 
-@needs_amx
+@needs_bf16
 @pytest.mark.parametrize("family", ["bert", "mistral"])
 def test_bf16_models_through_the_kernel_and_the_loop_agree(st_model, texts, family, monkeypatch):
     folder, texts = str(st_model(family, pooling_mode="mean")), [t for t in texts if t]

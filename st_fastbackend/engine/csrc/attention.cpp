@@ -7,8 +7,9 @@
 // of query rows and each of the item's query heads: scores = q.k^T block by block through PyTorch's cpublas::brgemm
 // (oneDNN; fp32 sums), a softmax row by row in fp32 (max, exp, sum), out = p.v summed over the key blocks by brgemm,
 // divided by the row's sum.
-// bf16: keys and values in oneDNN's VNNI pairs, probabilities rounded to bf16 before p.v (as PyTorch's
-// flash kernel rounds them), the output rounded to bf16.
+// bf16 products (of bf16 tensors, or of fp32 tensors rounded to bf16 as they are read: an fp32 model's bf16 products):
+// keys and values in oneDNN's VNNI pairs, probabilities rounded to bf16 before p.v (as PyTorch's flash kernel rounds
+// them), the output in the tensors' dtype.
 // Causal: a query at row r sees keys 0..r.
 //
 // Every brgemm has one of a few shapes whatever the lengths: query rows and the last key block round up to multiples
@@ -58,6 +59,20 @@ void copy(void* to, const void* from, int64_t bytes) {
   for (int64_t at = 0; at < bytes; at += 32)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<char*>(to) + at),
                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const char*>(from) + at)));
+}
+
+// d elements of a row in the kernel's dtype: copied, or fp32 rounded to bf16 (to nearest even, as Tensor.to rounds).
+template <typename In, typename T>
+const T* as_computed(const In* from, int64_t d, T* into) {
+  if constexpr (std::is_same_v<In, T>) {
+    return from;
+  } else {
+#if defined(CPU_CAPABILITY_AVX512)
+    for (int64_t c = 0; c < d; c += W)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(into + c), at::vec::cvtfp32_bf16(_mm512_loadu_ps(from + c)));
+#endif
+    return into;
+  }
 }
 
 // Keys: block b is K^T [d, KEYS] row-major, of keys b * KEYS onwards (bf16: in VNNI pairs, [d / 2, KEYS, 2]: as
@@ -162,7 +177,8 @@ int64_t heads_per_item(int64_t hkv, int64_t room, int64_t d, int64_t bytes, int6
   return 1;
 }
 
-template <typename T>
+// In: the tensors' dtype; T: the products' (bf16 for fp32 tensors: bf16 products of an fp32 model).
+template <typename In, typename T>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, const int32_t* cu,
             int64_t sequences, int64_t longest, float scale, bool causal, int64_t block) {
   constexpr bool reduced = std::is_same_v<T, BFloat16>;
@@ -170,8 +186,8 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::T
   const int64_t room = round_up(longest, KEYS), stride = block * KEYS;  // a key block's scores: [block, KEYS]
   const int64_t per = heads_per_item(hkv, room, d, sizeof(T), sequences), chunks = hkv / per;
   const int64_t items = sequences * chunks, qheads = per * group;  // an item: kv heads c * per .. and their queries
-  const T *Q = q.data_ptr<T>(), *K = k.data_ptr<T>(), *V = v.data_ptr<T>();
-  T* O = out.data_ptr<T>();
+  const In *Q = q.data_ptr<In>(), *K = k.data_ptr<In>(), *V = v.data_ptr<In>();
+  In* O = out.data_ptr<In>();
   const int64_t sq = q.stride(0), sk = k.stride(0), sv = v.stride(0), so = out.stride(0);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
@@ -179,28 +195,32 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::T
     std::vector<T> probabilities(reduced ? room * block : 0);
     std::vector<float> scores(room * block), partial(!reduced && d > SLICE ? stride : 0), acc(qheads * block * d);
     std::vector<float> inverse(qheads * block);
+    std::vector<T> rounded(std::is_same_v<In, T> ? 0 : d);  // a key or value row rounded to bf16, to be packed
     for (int64_t item; (item = next.fetch_add(1)) < items;) {
       const int64_t b = item / chunks, first = item % chunks * per, start = cu[b], len = cu[b + 1] - cu[b];
       // the keys and values of the item's kv heads, packed per head, each row's heads read in one run
-      const T *ks = K + start * sk + first * d, *vs = V + start * sv + first * d;
+      const In *ks = K + start * sk + first * d, *vs = V + start * sv + first * d;
       start_heads(keys.data(), values.data(), per, room, len, d);
       for (int64_t j = 0; j < len; j++) {
-        prefetch_ahead(ks, sk, j, len, sizeof(T) * per * d);
-        prefetch_ahead(vs, sv, j, len, sizeof(T) * per * d);
+        prefetch_ahead(ks, sk, j, len, sizeof(In) * per * d);
+        prefetch_ahead(vs, sv, j, len, sizeof(In) * per * d);
         for (int64_t g = 0; g < per; g++) {
-          pack_key(ks + j * sk + g * d, j, d, keys.data() + g * room * d);
-          pack_value(vs + j * sv + g * d, j, d, values.data() + g * room * d);
+          pack_key(as_computed(ks + j * sk + g * d, d, rounded.data()), j, d, keys.data() + g * room * d);
+          pack_value(as_computed(vs + j * sv + g * d, d, rounded.data()), j, d, values.data() + g * room * d);
         }
       }
       for (int64_t r0 = 0; r0 < len; r0 += block) {
         const int64_t m = std::min(block, len - r0), rows = round_up(m, ROWS);
         const int64_t n = causal ? r0 + m : len, width = round_up(n, ROWS);  // keys seen, their padded columns
         // the block's queries of every query head of the item: [qheads][block][d], rows past m zero
-        const T* qs = Q + (start + r0) * sq + first * group * d;
-        for (int64_t row = 0; row < m; row++) {
-          prefetch_ahead(qs, sq, row, m, sizeof(T) * qheads * d);
-          for (int64_t h = 0; h < qheads; h++)
-            copy(queries.data() + (h * block + row) * d, qs + row * sq + h * d, sizeof(T) * d);
+        const In* qs = Q + (start + r0) * sq + first * group * d;
+        for (int64_t r = 0; r < m; r++) {
+          prefetch_ahead(qs, sq, r, m, sizeof(In) * qheads * d);
+          for (int64_t h = 0; h < qheads; h++) {
+            T* into = queries.data() + (h * block + r) * d;
+            if constexpr (std::is_same_v<In, T>) copy(into, qs + r * sq + h * d, sizeof(T) * d);
+            else as_computed(qs + r * sq + h * d, d, into);
+          }
         }
         for (int64_t h = 0; h < qheads; h++) {
           T* qh = queries.data() + h * block * d;
@@ -234,12 +254,12 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::T
             at::native::cpublas::brgemm(rows, d, std::min(KEYS, width - j), KEYS, d, d, j > 0,
                                         p + j / KEYS * stride, vh + j * d, a, reduced);
         }
-        for (int64_t row = 0; row < m; row++) {  // the block's output rows, each row's heads in one run
-          T* o = O + (start + r0 + row) * so + first * group * d;
+        for (int64_t r = 0; r < m; r++) {  // the block's output rows, each row's heads in one run
+          In* o = O + (start + r0 + r) * so + first * group * d;
           for (int64_t h = 0; h < qheads; h++) {
-            const Vec inv(inverse[h * block + row]);
-            const float* a = acc.data() + (h * block + row) * d;
-            if constexpr (reduced) {
+            const Vec inv(inverse[h * block + r]);
+            const float* a = acc.data() + (h * block + r) * d;
+            if constexpr (std::is_same_v<In, BFloat16>) {
 #if defined(CPU_CAPABILITY_AVX512)
               for (int64_t c = 0; c < d; c += W)
                 _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + h * d + c),
@@ -259,7 +279,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::T
 }  // namespace
 
 void attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-               const at::Tensor& cu_seqlens, double scale, bool causal, int64_t block) {
+               const at::Tensor& cu_seqlens, double scale, bool causal, int64_t block, bool bf16) {
   const auto dtype = q.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && k.scalar_type() == dtype &&
               v.scalar_type() == dtype && out.scalar_type() == dtype, "q, k, v and out all fp32 or all bf16");
@@ -285,13 +305,18 @@ void attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at
     TORCH_CHECK(cu[b + 1] >= cu[b], "cu_seqlens in order");
     longest = std::max<int64_t>(longest, cu[b + 1] - cu[b]);
   }
-  if (dtype == at::kFloat) {
-    attend<float>(q, k, v, out, cu, sequences, longest, static_cast<float>(scale), causal, block);
+  TORCH_CHECK(bf16 || dtype == at::kFloat, "bf16 tensors take bf16 products");
+  const float factor = static_cast<float>(scale);
+  if (!bf16) {
+    attend<float, float>(q, k, v, out, cu, sequences, longest, factor, causal, block);
     return;
   }
 #if defined(CPU_CAPABILITY_AVX512)
-  attend<BFloat16>(q, k, v, out, cu, sequences, longest, static_cast<float>(scale), causal, block);
+  if (dtype == at::kFloat)
+    attend<float, BFloat16>(q, k, v, out, cu, sequences, longest, factor, causal, block);
+  else
+    attend<BFloat16, BFloat16>(q, k, v, out, cu, sequences, longest, factor, causal, block);
 #else
-  TORCH_CHECK(false, "bf16 attention needs the AVX-512 build (a CPU with AMX)");
+  TORCH_CHECK(false, "bf16 products need the AVX-512 build (a CPU with bf16 dot products)");
 #endif
 }
