@@ -102,7 +102,8 @@ def calibration_texts(model_kwargs: dict, quantize: str | None) -> Sequence[str]
 
 def calibrate(model: nn.Module, run: Callable[[Sequence[str]], None], texts: Sequence[str] = TEXTS) -> None:
     """Set `input_range` on every Linear of `model` from its inputs while run(pack) embeds the texts, PACK at a time,
-    with PyTorch's fp32 products (each layer's products are restored after)."""
+    with PyTorch's fp32 products in the Linear layers (each layer's products are restored after) and attention as the
+    int8 model runs it (quantize.attention_products)."""
     layers = [layer for layer in model.modules() if isinstance(layer, Linear)]
     ranges: dict[Linear, Tensor] = {}
 

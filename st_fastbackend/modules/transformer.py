@@ -173,8 +173,9 @@ class PackedTransformer(InputModule):
         """The runtime for where the weights are now, set up in the engine's layers (logged) when it changed."""
         weight = next(self.model.parameters())
         products = self.float_products
-        if self.quantize:  # int8 products in the Linear layers (_use), attention and the rest in the model dtype
-            products = quantize.check_device(weight.device)
+        if self.quantize:  # int8 products in the Linear layers (_use); attention's as quantize.attention_products says
+            quantize.check_device(weight.device)
+            products = quantize.attention_products(weight.dtype)
         seams = fused.on_by_default(weight.device.type) if self._compiled_seams is None else self._compiled_seams
         self._products_setting = onednn.bf16_products_allowed()
         runtime = choose_runtime(weight.device.type, weight.dtype, weight.device.index, products, seams)
