@@ -134,6 +134,29 @@ def test_cpu_without_vnni_is_refused(monkeypatch):
         quantize.check_quantize("int8", torch.device("cpu"))
 
 
+@pytest.mark.parametrize("mode", quantize.QUANTIZE)
+def test_attention_runs_in_bf16_where_the_kernel_runs_it(st_model, texts, mode, monkeypatch):
+    """Where our kernel runs bf16 products, an int8 model's attention takes them (its numbers change, within int8's
+    own error); where it does not, attention stays fp32."""
+    monkeypatch.setattr(cpu_kernel, "dtypes", lambda: (torch.float32,))
+    assert quantize.attention_products(torch.float32) is None
+    monkeypatch.setattr(cpu_kernel, "dtypes", lambda: (torch.float32, torch.bfloat16))
+    assert quantize.attention_products(torch.float32) == torch.bfloat16
+    assert quantize.attention_products(torch.bfloat16) is None  # a bf16 model's attention is bf16 already
+    monkeypatch.undo()
+    if torch.bfloat16 not in cpu_kernel.dtypes():
+        pytest.skip("the CPU kernel runs bf16 only with AVX-512 and bf16 dot products")
+    path = str(st_model("bert", pooling_mode="mean"))
+    model = SentenceTransformer(path, backend="fast", device="cpu", model_kwargs={"quantize": mode})
+    assert model[0].runtime.product_dtype == torch.bfloat16 and model[0].product_dtype == torch.int8
+    ours = model.encode(texts)
+    monkeypatch.setattr(quantize, "attention_products", lambda dtype: None)
+    model[0]._decide()
+    assert model[0].runtime.product_dtype is None
+    fp32_attention = model.encode(texts)
+    assert 0 < np.abs(ours - fp32_attention).max() < 2e-2
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["bert", "distilbert"])
 def test_int8_model_is_close_and_fp32_stays_exact(st_model, family):
