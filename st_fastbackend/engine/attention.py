@@ -152,7 +152,8 @@ def sdpa_attention(
 
 
 def _kernel_attention(
-    q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch, causal: bool, scale: float | None, products: torch.dtype | None
+    q: Tensor, k: Tensor, v: Tensor, batch: PackedBatch, causal: bool, scale: float | None,
+    products: torch.dtype | None,
 ) -> Tensor | None:
     """The whole pack in one call of our CPU kernel (engine/cpu_kernel.py), its products in `products` (bf16 products
     of fp32 tensors round them as it reads them), where it runs them, the tensors are fp32 or bf16 and the head size

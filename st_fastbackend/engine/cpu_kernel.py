@@ -1,5 +1,5 @@
 """Our C++ kernels for x86-64 CPUs with AVX2 or AVX-512 (csrc/): exact-softmax attention over a whole packed batch
-in fp32, and in bf16 where the CPU has AMX (csrc/attention.cpp), and the passes around int8 products
+in fp32, and in bf16 where the CPU has bf16 dot products (csrc/attention.cpp), and the passes around int8 products
 (csrc/quantize.cpp, engine/quantize.py). Attention replaces the SDPA loop (engine/attention.py) for attention
 without a prefix, unattended tokens or a window that cuts: one parallel region per layer instead of one per run of
 equal lengths, q.k and p.v through PyTorch's own cpublas::brgemm (oneDNN), the softmax in fp32 (eval/RESULTS.md,
@@ -49,8 +49,8 @@ def dtypes() -> tuple[torch.dtype, ...]:
 
 def attention_dtype(dtype: torch.dtype, products: torch.dtype) -> torch.dtype | None:
     """The dtype the kernel takes attention in for a model in `dtype` whose products run in `products`: the
-    products' where it runs them, else the model's (bf16 products of an fp32 model without AMX: attention stays
-    fp32), else None."""
+    products' where it runs them, else the model's (bf16 products of an fp32 model where it runs fp32 only:
+    attention stays fp32), else None."""
     return next((t for t in (products, dtype) if t in dtypes()), None)
 
 

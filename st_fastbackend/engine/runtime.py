@@ -18,8 +18,8 @@ flash-attn's `flash_attn_varlen_func` (read from each release's flash_attn_inter
 Only one fact is not in a signature: before 2.1 a causal mask with more keys than queries was aligned with the
 keys' start, from 2.1 with their end ("aligned to the bottom right corner"), so the version says that one.
 Both flash kernels take fp16/bf16 only, and only on Ampere or newer GPUs. A CPU with AVX2 or AVX-512 runs our own
-kernel (engine/cpu_kernel.py: fp32, and bf16 where it has AMX); elsewhere, and for what that kernel does not take,
-attention runs through exact SDPA, one call per run of equal-length sequences.
+kernel (engine/cpu_kernel.py: fp32, and bf16 where the CPU has bf16 dot products); elsewhere, and for what that
+kernel does not take, attention runs through exact SDPA, one call per run of equal-length sequences.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def choose_runtime(
             )
     # PyTorch's CPU flash kernel takes grouped heads; on CUDA the memory-efficient SDPA kernel (fp32,
     # masks) does not, and grouped heads would send it to the math kernel: repeat k/v there.
-    taken = cpu_kernel.attention_dtype(dtype, product_dtype or dtype)  # fp32 for bf16 products without AMX
+    taken = cpu_kernel.attention_dtype(dtype, product_dtype or dtype)  # fp32 for bf16 products where it runs fp32 only
     kernel = device_type == "cpu" and cpu_kernel.attention_for(taken) is not None
     return Runtime(
         "cpu_kernel" if kernel else "sdpa_loop",
