@@ -91,7 +91,9 @@ void pack_key(const BFloat16* row, int64_t j, int64_t d, BFloat16* keys) {
   for (int64_t c = 0; c < d / 2; c++) at[c * KEYS] = from[c];
 }
 
-void pack_value(const float* row, int64_t j, int64_t d, float* values) { copy(values + j * d, row, sizeof(float) * d); }
+void pack_value(const float* row, int64_t j, int64_t d, float* values) {
+  copy(values + j * d, row, sizeof(float) * d);
+}
 
 void pack_value(const BFloat16* row, int64_t j, int64_t d, BFloat16* values) {
   BFloat16* at = values + j / 2 * 2 * d + j % 2;

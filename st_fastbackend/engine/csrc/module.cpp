@@ -9,7 +9,8 @@ void dequantize(at::Tensor& y, const c10::optional<at::Tensor>& scale, const c10
                 int64_t activation, int64_t rows, bool gated);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("attention", &attention, "exact-softmax attention over packed fp32 or bf16 sequences, its products in fp32 or bf16");
+  module.def("attention", &attention,
+             "exact-softmax attention over packed fp32 or bf16 sequences, its products in fp32 or bf16");
   module.def("quantize_static", &quantize_static, "int8-static codes of each row, rows past the input zero");
   module.def("quantize_rows", &quantize_rows, "per-row symmetric int8 codes (+ 128) and scales");
   module.def("dequantize", &dequantize, "y * scale + bias, then the activation or act(gate) * up, in place");
