@@ -12,6 +12,11 @@ model: "onnx-int8" (export_dynamic_quantized_onnx_model, "avx512_vnni") and "ope
 (export_static_quantized_openvino_model, default OVQuantizationConfig; calibrated on 300 STS-B dev sentences
 from --data-dir, in place of its default download of GLUE SST-2, which these machines cannot reach). Each export
 is written once into a copy of the model folder under --work-dir and reused.
+
+The peer venv these results used (a CPU torch, so pip fetches no CUDA build; the static int8 export needs datasets):
+
+    python3 -m venv /tmp/stpeer && /tmp/stpeer/bin/pip install torch==2.13.0 \
+        "sentence-transformers[onnx,openvino]==5.7.0" transformers==4.57.6 datasets==4.8.5
 """
 
 from __future__ import annotations
