@@ -123,7 +123,7 @@ def busy_worker(url: str, inputs: list[str], headers: dict):
         time.sleep(0.02)
     yield
     thread.join(300)
-    assert result["response"].status_code == 200
+    assert result["response"].status_code == 200, result["response"].text[:300]
 
 
 def probed(send: Callable[[], httpx.Response], probe: Callable[[], httpx.Response], probes: int = 6):
