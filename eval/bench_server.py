@@ -3,12 +3,13 @@ back to back on loopback. Throughput and p50/p99 latency with dynamic batching a
 request per forward pass), same model, same sentences.
 
     python eval/bench_server.py                      # bundled all-MiniLM-L6-v2, 1 / 8 / 64 clients
+    python eval/bench_server.py --clients 1 --server-args="--no-access-log"   # the server without its line per request
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
+import shlex
 import statistics
 import time
 
@@ -55,11 +56,13 @@ def main() -> None:
     parser = options.parser(__doc__, "model", "data_dir", "output_dir")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--server-args", default="", help="more `st-fastbackend serve` arguments, for every server")
     args = parser.parse_args()
     texts = data.sts_sentences(args.data_dir, columns=("sentence1",))
     rows = []
     for dynamic in (True, False):
-        process, url = start_server(args.model, *([] if dynamic else ["--no-dynamic-batching"]))
+        process, url = start_server(args.model, *shlex.split(args.server_args),
+                                   *([] if dynamic else ["--no-dynamic-batching"]))  # fmt: skip
         try:
             load(url, texts, 4, 2.0)  # warm-up
             for clients in args.clients:
@@ -79,7 +82,8 @@ def main() -> None:
         p99 = f"p99 {on['p99_ms']:.0f} vs {off['p99_ms']:.0f} ms"
         print(f"{clients:>3} clients: dynamic batching {ratio:.2f}x throughput, {p99}")
     stamp = report.stamp()
-    payload = {"date": stamp, "cores": os.cpu_count(), "model": args.model, "rows": rows}
+    payload = {"date": stamp, "machine": report.machine(), "model": args.model, "server_args": args.server_args,
+               "rows": rows}  # fmt: skip
     out = report.results_file(args.output_dir, "bench-server", payload, stamp)
     print(f"written to {out}")
 
