@@ -122,12 +122,17 @@ def product(x: Tensor, packed: Packed, activation: str | None = None, multiply: 
 
 
 def product_rows(rows: int) -> int:
-    """`rows` rounded up to one of a few sizes: a multiple of 16 up to 128, then 8 sizes per doubling
-    (at most 12.5% more rows). oneDNN compiles a primitive per product shape and keeps it, ~0.6 MB each
-    with PyTorch's own cache of their descriptors, up to 1,024 shapes in each cache: packs of every token
-    count filled them (RSS +700 MB over 1,200 small encode calls, eval/bench_memory.py). With these
-    sizes a product has at most 56 shapes up to 8,192 tokens. A row's result does not depend on the
-    rows around it (tests/engine/test_layers.py), so the zero rows added change no number."""
+    """`rows` as it stands from 2 to 15 (one row as two), then rounded up to one of a few sizes: a multiple of 16 up
+    to 128, then 8 sizes per doubling (at most 12.5% more rows). oneDNN compiles a primitive per product shape and
+    keeps it, ~0.4-0.6 MB each with PyTorch's own cache of their descriptors, up to 1,024 shapes in each cache:
+    packs of every token count filled them (RSS +700 MB over 1,200 small encode calls, eval/bench_memory.py). With
+    these sizes a product has at most 70 shapes up to 8,192 tokens. A row's result does not depend on the rows
+    around it (tests/engine/test_layers.py), so the zero rows added change no number; but oneDNN multiplies one row
+    alone with other sums (a matrix-vector kernel: 1e-4 apart at 1,536 inputs), so it gets a second. Below 16 rows
+    nothing is added: a short text's pack is as many rows as it has tokens, 0.9-1.3 ms less per one-text call of
+    all-MiniLM-L6-v2 than padded to 16 (eval/RESULTS.md, 2026-12-08)."""
+    if rows < 16:
+        return max(rows, 2)
     step = max(16, 1 << max(0, (rows - 1).bit_length() - 4))
     return -(-rows // step) * step
 

@@ -72,15 +72,15 @@ def forms(layer: Linear, x: torch.Tensor, name: str | None) -> list[torch.Tensor
 @pytest.mark.parametrize("name", [None, *quantize.PASS_ACTIVATIONS])
 def test_a_tokens_numbers_do_not_depend_on_its_pack(name):
     """Per-token scales, and passes that compute a row the same way whatever the rows around it: a row's result has
-    the same bits alone or among 1,000 others (also padded to oneDNN's row counts), with each activation the C++ pass
-    has, activated or gated."""
+    the same bits alone, in a few rows or among 1,000 others (padded to oneDNN's row counts or not), with each
+    activation the C++ pass has, activated or gated."""
     torch.manual_seed(0)
     layer, x = int8_linear(64, 96), torch.randn(1000, 64)
     with torch.inference_mode():
         together = forms(layer, x, name)
-        for i in (0, 17, 999):
-            alone = forms(layer, x[i : i + 1], name)
-            assert all(torch.equal(a[0], t[i]) for a, t in zip(alone, together, strict=True)), (name, i)
+        for i, rows in ((0, 1), (17, 1), (999, 1), (3, 2), (40, 9), (985, 15)):  # one row, and packs below 16 rows
+            alone = forms(layer, x[i : i + rows], name)
+            assert all(torch.equal(a, t[i : i + rows]) for a, t in zip(alone, together, strict=True)), (name, i, rows)
 
 
 @pytest.mark.skipif(cpu_kernel.int8_passes() is None, reason="our C++ kernels are not built here")

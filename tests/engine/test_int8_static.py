@@ -70,8 +70,8 @@ def test_activations_follow_the_static_product(name):
 
 @pytest.mark.parametrize("name", [None, "gelu", "silu"])  # gelu: inside the kernel, silu: in the pass after it
 def test_a_tokens_numbers_do_not_depend_on_its_pack(name, monkeypatch):
-    """A row's result has the same bits alone or among 1,000 others, activated or gated; PyTorch's passes (where our
-    C++ kernels are not built) give the same within fp32 rounding."""
+    """A row's result has the same bits alone, in a few rows or among 1,000 others, activated or gated; PyTorch's
+    passes (where our C++ kernels are not built) give the same within fp32 rounding."""
     layer, x = static_linear(inputs(300), 48), inputs(1000, seed=2)
 
     def forms(x):
@@ -79,9 +79,9 @@ def test_a_tokens_numbers_do_not_depend_on_its_pack(name, monkeypatch):
 
     with torch.inference_mode():
         together = forms(x)
-        for i in (0, 17, 999):
-            alone = forms(x[i : i + 1])
-            assert all(torch.equal(a[0], t[i]) for a, t in zip(alone, together, strict=True)), (name, i)
+        for i, rows in ((0, 1), (17, 1), (999, 1), (3, 2), (40, 9), (985, 15)):  # one row, and packs below 16 rows
+            alone = forms(x[i : i + rows])
+            assert all(torch.equal(a, t[i : i + rows]) for a, t in zip(alone, together, strict=True)), (name, i, rows)
         monkeypatch.setattr(cpu_kernel, "int8_passes", lambda: None)
         theirs = forms(x)
     for a, b in zip(theirs, together, strict=True):
