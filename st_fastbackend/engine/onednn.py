@@ -109,16 +109,18 @@ def prepack(weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> Packed:
 def product(x: Tensor, packed: Packed, activation: str | None = None, multiply: Tensor | None = None) -> Tensor:
     """x @ weight.T + bias in the packed dtype (x is cast to it, and so is the result); then an activation
     (a key of ACTIVATIONS) or a product with `multiply`, inside the same kernel: no second pass."""
+    if x.dim() != 2:  # [..., in] -> [T, in], and the result back to [..., out]
+        flat = None if multiply is None else multiply.reshape(-1, multiply.shape[-1])
+        return product(x.reshape(-1, x.shape[-1]), packed, activation, flat).unflatten(0, x.shape[:-1])
     weight, bias = packed
-    shape = x.shape[:-1]
-    x = padded(x.reshape(-1, x.shape[-1]), weight.dtype)  # [..., in] -> [product_rows(T), in]
+    rows = x.shape[0]
+    x = padded(x, weight.dtype)  # [product_rows(T), in]
     if multiply is not None:
-        multiply = padded(multiply.reshape(-1, multiply.shape[-1]), weight.dtype)
-        out = torch.ops.mkldnn._linear_pointwise.binary(x, multiply, weight, bias, "mul")
+        out = torch.ops.mkldnn._linear_pointwise.binary(x, padded(multiply, weight.dtype), weight, bias, "mul")
     else:
         attr, algorithm = ACTIVATIONS[activation] if activation is not None else ("none", "")
         out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
-    return out[: shape.numel()].unflatten(0, shape)  # [product_rows(T), out] -> [..., out]
+    return out if out.shape[0] == rows else out[:rows]  # [product_rows(T), out] -> [T, out]
 
 
 def product_rows(rows: int) -> int:
