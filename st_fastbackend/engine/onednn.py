@@ -130,11 +130,12 @@ def product_rows(rows: int) -> int:
     packs of every token count filled them (RSS +700 MB over 1,200 small encode calls, eval/bench_memory.py). With
     these sizes a product has at most 70 shapes up to 8,192 tokens. A row's result does not depend on the rows
     around it (tests/engine/test_layers.py), so the zero rows added change no number; but oneDNN multiplies one row
-    alone with other sums (a matrix-vector kernel: 1e-4 apart at 1,536 inputs), so it gets a second. Below 16 rows
-    nothing is added: a short text's pack is as many rows as it has tokens, 0.9-1.3 ms less per one-text call of
-    all-MiniLM-L6-v2 than padded to 16 (eval/RESULTS.md, 2026-12-08)."""
+    alone with other sums (a matrix-vector kernel: up to 1e-4 apart at 1,536 inputs with unit-variance weights, 1e-6
+    with nn.Linear's initialization), so it gets a second. Below 16 rows nothing is added: a short text's pack is as
+    many rows as it has tokens, 3.8-4.4 ms per one-text call of all-MiniLM-L6-v2 against 5.1-5.5 ms padded to 16
+    (eval/RESULTS.md, 2026-12-08)."""
     if rows < 16:
-        return max(rows, 2)
+        return 2 if rows == 1 else rows
     step = max(16, 1 << max(0, (rows - 1).bit_length() - 4))
     return -(-rows // step) * step
 

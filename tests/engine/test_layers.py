@@ -232,8 +232,8 @@ def test_a_rows_product_does_not_depend_on_the_rows_multiplied_with_it(inputs, d
     """A row's product has the same bits whatever the number of rows oneDNN multiplies with it, padded or not
     (activation and gated forms too; fp32, and bf16 where oneDNN runs it, as an fp32 model's bf16 products do): from
     2 rows up to 320, so one row goes in as two. Alone oneDNN sums a row in another order (a matrix-vector kernel:
-    1e-4 apart at 1,536 inputs on a Zen 4). Before PyTorch 2.13 only within an ulp: torch 2.11's oneDNN on an AVX2
-    CPU multiplies 100 rows with other sums than 300 (the GPU image's twin)."""
+    1e-6 apart here at 1,536 inputs, 1e-4 with unit-variance weights, on a Zen 4). Before PyTorch 2.13 only within
+    an ulp: torch 2.11's oneDNN on an AVX2 CPU multiplies 100 rows with other sums than 300 (the GPU image's twin)."""
     if dtype not in onednn.onednn_dtypes():
         pytest.skip("oneDNN does not run bf16 on this CPU")
     torch.manual_seed(0)
